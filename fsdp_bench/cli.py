@@ -1,0 +1,122 @@
+"""Command line: parse, call one function, turn user errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+from fsdp_bench.errors import FsdpBenchError
+
+DEFAULT_GRID = "quickstart.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except FsdpBenchError as err:
+        if args.debug:
+            raise
+        print(f"fsdp-bench: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(
+            "\nfsdp-bench: interrupted; every finished run is recorded. "
+            "Run the same command again to resume.",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-bench",
+        description="Measure which FSDP2 configuration trains your model fastest within memory.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    sweep = commands.add_parser("sweep", help="run every point of a grid and record the results")
+    sweep.add_argument(
+        "grid",
+        nargs="?",
+        help=f"grid YAML file (default: the built-in {DEFAULT_GRID}, a small CPU sweep)",
+    )
+    sweep.add_argument("--results", type=Path, help="results folder (default: results/<grid name>)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    sweep.add_argument("--rerun", action="store_true", help="run recorded runs again")
+    sweep.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each configuration against a single-process step before timing it",
+    )
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    sweep.set_defaults(handler=_sweep)
+    return parser
+
+
+def _grid_path(given: str | None) -> Path:
+    if given is not None:
+        return Path(given)
+    return Path(str(resources.files("fsdp_bench") / "grids" / DEFAULT_GRID))
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from fsdp_bench.grid import expand, load_grid
+    from fsdp_bench.sweep import SweepOptions, results_dir_for, run_sweep
+
+    spec = load_grid(_grid_path(args.grid))
+    if args.dry_run:
+        print(_describe_expansion(spec, args.results))
+        return 0
+    options = SweepOptions(
+        results_dir=args.results, rerun=args.rerun, verify=args.verify, progress=not args.no_progress
+    )
+    total = len(expand(spec).runs)
+    print(f"sweep {spec.name}: {total} runs -> {results_dir_for(spec, args.results)}")
+    outcome = run_sweep(spec, options)
+    if outcome.already_recorded and not args.rerun:
+        print(f"{outcome.already_recorded} runs were already recorded (--rerun runs them again)")
+    _print_ranking(outcome.results_dir, outcome.run_ids)
+    return 0
+
+
+def _describe_expansion(spec: object, results: Path | None) -> str:
+    from fsdp_bench.grid import SweepSpec, expand, get_path
+    from fsdp_bench.results import ResultStore
+    from fsdp_bench.sweep import pack_runs, results_dir_for
+
+    assert isinstance(spec, SweepSpec)
+    expansion = expand(spec)
+    done = ResultStore(results_dir_for(spec, results)).done_ids()
+    keys = list(spec.axes)
+    lines = ["run_id        " + "  ".join(keys) + "  recorded"]
+    for run in expansion.runs:
+        values = "  ".join(str(get_path(run, k)).ljust(len(k)) for k in keys)
+        lines.append(f"{run.run_id}  {values}  {'yes' if run.run_id in done else 'no'}")
+    lines.append(
+        f"{len(expansion.runs)} runs in {len(pack_runs(expansion.runs))} jobs"
+        f" ({expansion.excluded} excluded, {expansion.collapsed} identical to another run under ddp)"
+    )
+    return "\n".join(lines)
+
+
+def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
+    from fsdp_bench.report import format_ranking, ranking
+    from fsdp_bench.results import load_results
+
+    table = ranking(load_results(results_dir), run_ids)
+    print(format_ranking(table))
+    failed = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
+    if len(failed):
+        print(f"{len(failed)} runs did not finish ok; see 'reason' in the results.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

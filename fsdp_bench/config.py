@@ -1,0 +1,301 @@
+"""The configuration values: what one run is (`RunConfig`), where it runs (`LauncherConfig`),
+and a whole grid (`SweepSpec`), with every check a user can trip over.
+
+Only `RunConfig` crosses process and host boundaries (with `RunResult`); it is a frozen tree
+of plain values, picklable and JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fsdp_bench.errors import FieldError
+from fsdp_bench.presets import PRESETS, SHAPE_OVERRIDES, ModelShape, resolve_shape
+from fsdp_bench.schema import bad_value, non_default_fields
+
+GROUPING_HELP = (
+    "expected root, block, blocks:K (K >= 1 consecutive blocks per group), linear, "
+    "or a list of module-name patterns (e.g. ['layers.*.attention', 'layers.*.feed_forward'])"
+)
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    """A preset (tiny, small, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama2-7b) or
+    `package.module:function` returning an `fsdp_bench.models.ModelBundle`."""
+    tie_embeddings: bool | None = None
+    """Share the embedding and LM-head weight; None keeps the preset's choice."""
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a user model's function."""
+
+    def __post_init__(self) -> None:
+        if self.is_user_model:
+            if not _IMPORT_PATH.match(self.name):
+                raise bad_value("name", self.name, "expected package.module:function")
+            return
+        if self.name not in PRESETS:
+            raise bad_value(
+                "name",
+                self.name,
+                f"expected one of {', '.join(PRESETS)} or package.module:function",
+            )
+        if self.options:
+            raise bad_value("options", self.options, "options are for user models only")
+        for key in SHAPE_OVERRIDES:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise bad_value(key, value, "expected an integer >= 1")
+        shape = self.shape
+        if shape.dim % shape.n_heads:
+            raise bad_value("n_heads", shape.n_heads, f"must divide dim {shape.dim}")
+        if shape.n_heads % shape.n_kv_heads:
+            raise bad_value("n_kv_heads", shape.n_kv_heads, f"must divide n_heads {shape.n_heads}")
+
+    @property
+    def is_user_model(self) -> bool:
+        return ":" in self.name
+
+    @property
+    def shape(self) -> ModelShape:
+        """The preset with overrides applied (presets only)."""
+        overrides = {k: getattr(self, k) for k in SHAPE_OVERRIDES}
+        return resolve_shape(self.name, tie_embeddings=self.tie_embeddings, **overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    micro_batch_size: int = 1
+    """Sequences per rank per micro-batch."""
+    seq_len: int = 128
+    seed: int = 0
+    """Seeds the synthetic tokens and the weight initialisation."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "micro_batch_size", 1)
+        _at_least(self, "seq_len", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpConfig:
+    grouping: str | tuple[str, ...] = "block"
+    """Which modules get their own fully_shard call (the communication boundary)."""
+    reshard_after_forward: bool | int | Literal["default"] = "default"
+    """true frees full parameters after forward; false keeps them to backward; an int
+    reshards to groups of that many ranks; default is FSDP2's own (true except the root)."""
+    prefetch: Literal["implicit"] | int = "implicit"
+    """implicit (FSDP2's default) or an explicit forward/backward prefetch depth."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: parameters and all-gathers in bf16, gradients reduced in fp32."""
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "block"] = "none"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouping", canonical_grouping(self.grouping))
+        reshard = self.reshard_after_forward
+        if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
+            raise bad_value(
+                "reshard_after_forward", reshard, "expected true, false, default or an int >= 1"
+            )
+        if isinstance(self.prefetch, int) and self.prefetch < 1:
+            raise bad_value("prefetch", self.prefetch, "expected implicit or a depth >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    grad_sync: Literal["every", "last"] = "every"
+    """every: reduce-scatter after each micro-batch; last: only after the final one
+    (set_requires_gradient_sync(False) before the others: less communication, more memory)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = 1e-4
+
+    def __post_init__(self) -> None:
+        _at_least(self, "accumulation_steps", 1)
+        if not self.learning_rate > 0:
+            raise bad_value("learning_rate", self.learning_rate, "expected a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    warmup_steps: int = 2
+    """Optimizer steps before anything is measured (lazy init, allocator, caches)."""
+    timed_steps: int = 5
+    """Optimizer steps per timed repeat."""
+    repeats: int = 3
+    """Timed repeats; step time is their median, the spread is reported."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "warmup_steps", 0)
+        _at_least(self, "timed_steps", 1)
+        _at_least(self, "repeats", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A fault to inject, to check that failures are classified (tests, cluster shakedowns)."""
+
+    kind: Literal["none", "oom", "error", "hang", "exit"] = "none"
+    """oom: a real allocation far beyond memory; error: an exception; hang: stop taking part
+    in collectives; exit: the process dies without a word."""
+    rank: int = 0
+    """The rank that misbehaves (the others run normally)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One point of a grid: everything that decides what is run and measured."""
+
+    world_size: int = 1
+    """Processes (GPUs) taking part."""
+    processes_per_node: int | None = None
+    """Processes per node; None puts every rank on one node."""
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    """fsdp: FSDP2 fully_shard; ddp: DistributedDataParallel, the baseline to beat."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        _at_least(self, "world_size", 1)
+        ppn = self.processes_per_node
+        if ppn is not None and (ppn < 1 or self.world_size % ppn):
+            raise bad_value(
+                "processes_per_node",
+                ppn,
+                f"must divide world_size {self.world_size} (nodes = world_size / processes_per_node)",
+            )
+        reshard = self.fsdp.reshard_after_forward
+        if isinstance(reshard, int) and not isinstance(reshard, bool):
+            if self.world_size % reshard:
+                raise bad_value(
+                    "fsdp.reshard_after_forward",
+                    reshard,
+                    f"an int must divide the shard group size (world_size {self.world_size}): "
+                    f"allowed true, false, default or one of {_divisors(self.world_size)}",
+                )
+        if not 0 <= self.fault.rank < self.world_size:
+            raise bad_value("fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}")
+        if not self.model.is_user_model:
+            n_layers = self.model.shape.n_layers
+            k = grouping_block_count(self.fsdp.grouping)
+            if k is not None and k > n_layers:
+                raise bad_value(
+                    "fsdp.grouping",
+                    self.fsdp.grouping,
+                    f"K must be at most the model's {n_layers} blocks",
+                )
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // (self.processes_per_node or self.world_size)
+
+    @property
+    def run_id(self) -> str:
+        """Stable id: a hash of the settings that differ from the defaults."""
+        canonical = json.dumps(non_default_fields(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step over all ranks."""
+        d = self.data
+        return self.world_size * d.micro_batch_size * d.seq_len * self.train.accumulation_steps
+
+    def canonical(self) -> RunConfig:
+        """Settings that cannot matter reset to defaults, so equal runs get equal ids.
+
+        Under DDP the FSDP-only knobs (grouping, resharding, prefetch, offload) do nothing.
+        """
+        if self.strategy != "ddp":
+            return self
+        plain = FsdpConfig(
+            mixed_precision=self.fsdp.mixed_precision,
+            activation_checkpointing=self.fsdp.activation_checkpointing,
+        )
+        return dataclasses.replace(self, fsdp=plain)
+
+
+def canonical_grouping(value: str | tuple[str, ...] | list[str]) -> str:
+    """Validate a grouping and give its one string form (`modules:` + patterns for lists)."""
+    if isinstance(value, (list, tuple)):
+        patterns = [p.strip() for p in value]
+        if not patterns or not all(patterns) or any("," in p for p in patterns):
+            raise bad_value("grouping", list(value), GROUPING_HELP)
+        return "modules:" + ",".join(patterns)
+    if value in ("root", "block", "linear"):
+        return value
+    if value.startswith("modules:") and all(value[len("modules:") :].split(",")):
+        return value
+    match = re.fullmatch(r"blocks:(\d+)", value)
+    if match and int(match.group(1)) >= 1:
+        return value
+    raise bad_value("grouping", value, GROUPING_HELP)
+
+
+def grouping_block_count(grouping: str) -> int | None:
+    """K of `blocks:K`, else None."""
+    return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LauncherConfig:
+    """Where and how jobs run; never part of a run's identity."""
+
+    kind: Literal["local"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available (one GPU per local rank, NCCL), else CPU (gloo)."""
+    cpu_threads_per_rank: int | None = None
+    """torch threads per rank on CPU; None divides the machine's cores among the ranks."""
+    collective_timeout_s: float = 300.0
+    """A collective that waits longer fails the run as `timeout` (process-group timeout)."""
+    run_timeout_s: float = 1800.0
+    """Wall time one run may take before its job is stopped and the run recorded `timeout`."""
+    timeout_min: float = 600.0
+    """Wall time of one job (several runs share a job)."""
+
+    def __post_init__(self) -> None:
+        for key in ("collective_timeout_s", "run_timeout_s", "timeout_min"):
+            if not getattr(self, key) > 0:
+                raise bad_value(key, getattr(self, key), "expected a number > 0")
+        if self.cpu_threads_per_rank is not None:
+            _at_least(self, "cpu_threads_per_rank", 1)
+
+
+def _at_least(obj: object, key: str, minimum: int) -> None:
+    value = getattr(obj, key)
+    if value < minimum:
+        raise bad_value(key, value, f"expected an integer >= {minimum}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+__all__ = [
+    "DataConfig",
+    "FaultConfig",
+    "FieldError",
+    "FsdpConfig",
+    "LauncherConfig",
+    "MeasureConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+]

@@ -1,0 +1,240 @@
+"""A grid file: a base run, axes whose cartesian product gives the runs, and exclusions.
+
+Everything is validated here, before anything runs: a grid either expands into a list of
+valid `RunConfig`s or fails with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_bench.config import LauncherConfig, RunConfig, canonical_grouping
+from fsdp_bench.errors import ConfigError, FieldError, show
+from fsdp_bench.schema import bad_value, build, coerce, field_paths
+
+AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSpec:
+    name: str
+    """Names the results folder (results/<name>/)."""
+    description: str = ""
+    base: dict[str, Any] = field(default_factory=dict)
+    """The run every grid point starts from (a RunConfig as a mapping)."""
+    axes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Dotted RunConfig key -> values; the runs are their cartesian product."""
+    exclude: tuple[dict[str, tuple[Any, ...]], ...] = ()
+    """Combinations to leave out: every key's value must match (a list means any of)."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    source: str = "<grid>"
+    """Where the grid came from (for messages and provenance)."""
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """The runs of a grid, and how many product points were dropped or merged, and why."""
+
+    runs: list[RunConfig]
+    excluded: int
+    collapsed: int
+
+
+_TOP_KEYS = ("name", "description", "base", "axes", "exclude", "launcher")
+
+
+def load_grid(path: str | Path) -> SweepSpec:
+    """Read and validate a grid file completely."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read grid file ({err.strerror})") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(err)}") from None
+    return parse_grid(data, source=str(path))
+
+
+def parse_grid(data: object, *, source: str = "<grid>") -> SweepSpec:
+    """Validate a parsed grid mapping into a `SweepSpec` (every axis value checked)."""
+    try:
+        return _parse(data, source)
+    except FieldError as err:
+        raise err.located(source) from None
+
+
+def _parse(data: object, source: str) -> SweepSpec:
+    if not isinstance(data, Mapping):
+        raise bad_value("", data, f"a grid is a mapping with keys: {', '.join(_TOP_KEYS)}")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise FieldError(str(key), key, f"valid keys: {', '.join(_TOP_KEYS)}", unknown_key=True)
+    name = data.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_value("name", name, "expected a name of letters, digits, '.', '_' or '-'")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise bad_value("description", description, "expected a string")
+
+    base = data.get("base") or {}
+    try:
+        build(RunConfig, base)
+    except FieldError as err:
+        raise err.under("base") from None
+
+    axes = _parse_axes(data.get("axes") or {})
+    exclude = _parse_exclude(data.get("exclude") or [])
+    try:
+        launcher = build(LauncherConfig, data.get("launcher") or {})
+    except FieldError as err:
+        raise err.under("launcher") from None
+    return SweepSpec(
+        name=name,
+        description=description,
+        base=dict(base),
+        axes=axes,
+        exclude=exclude,
+        launcher=launcher,
+        source=source,
+    )
+
+
+def _parse_axes(raw: object) -> dict[str, tuple[Any, ...]]:
+    if not isinstance(raw, Mapping):
+        raise bad_value("axes", raw, "expected a mapping of dotted keys to lists of values")
+    axes: dict[str, tuple[Any, ...]] = {}
+    for key, values in raw.items():
+        where = f"axes.{key}"
+        _check_path(where, key)
+        if not isinstance(values, list) or not values:
+            raise bad_value(where, values, "expected a non-empty list of values")
+        normalised = tuple(_normalise(key, v, f"{where}[{i}]") for i, v in enumerate(values))
+        for i, value in enumerate(normalised):
+            if any(_same(value, earlier) for earlier in normalised[:i]):
+                raise bad_value(f"{where}[{i}]", values[i], "each value may appear only once")
+        axes[key] = normalised
+    return axes
+
+
+def _parse_exclude(raw: object) -> tuple[dict[str, tuple[Any, ...]], ...]:
+    if not isinstance(raw, list):
+        raise bad_value("exclude", raw, "expected a list of mappings {dotted key: value or list}")
+    rules = []
+    for index, rule in enumerate(raw):
+        where = f"exclude[{index}]"
+        if not isinstance(rule, Mapping) or not rule:
+            raise bad_value(where, rule, "expected a mapping {dotted key: value or list of values}")
+        parsed = {}
+        for key, value in rule.items():
+            _check_path(f"{where}.{key}", key)
+            options = value if isinstance(value, list) and key != "fsdp.grouping" else [value]
+            parsed[key] = tuple(_normalise(key, v, f"{where}.{key}") for v in options)
+        rules.append(parsed)
+    return tuple(rules)
+
+
+def _check_path(where: str, key: object) -> None:
+    if key not in AXIS_PATHS:
+        raise FieldError(where, key, f"valid keys: {', '.join(AXIS_PATHS)}", unknown_key=True)
+
+
+def _normalise(key: str, value: object, where: str) -> Any:
+    """One axis or exclude value, checked against its field's type, in canonical form."""
+    try:
+        value = coerce(AXIS_PATHS[key], value)
+        if key == "fsdp.grouping":
+            value = canonical_grouping(value)
+    except FieldError as err:
+        raise bad_value(where, value, err.allowed) from None
+    return value
+
+
+def _same(a: object, b: object) -> bool:
+    """Equality that keeps true and 1 apart (they mean different reshard settings)."""
+    return type(a) is type(b) and a == b
+
+
+def expand(spec: SweepSpec) -> Expansion:
+    """The grid's runs in axis order, excluded points removed, equivalent points merged."""
+    base_run = build(RunConfig, spec.base)
+    keys = list(spec.axes)
+    runs: dict[str, RunConfig] = {}
+    excluded = 0
+    points = 0
+    for values in itertools.product(*(spec.axes[k] for k in keys)):
+        point = dict(zip(keys, values))
+        if any(_matches(rule, point, base_run) for rule in spec.exclude):
+            excluded += 1
+            continue
+        points += 1
+        run = _build_point(spec, point).canonical()
+        runs.setdefault(run.run_id, run)
+    return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
+
+
+def _matches(rule: dict[str, tuple[Any, ...]], point: dict[str, Any], base: RunConfig) -> bool:
+    for key, options in rule.items():
+        value = point[key] if key in point else get_path(base, key)
+        if not any(_same(value, option) for option in options):
+            return False
+    return True
+
+
+def _build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
+    data = copy.deepcopy(spec.base)
+    for key, value in point.items():
+        section = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = list(value) if isinstance(value, tuple) else value
+    try:
+        return build(RunConfig, data)
+    except FieldError as err:
+        label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
+        err.allowed += " (or leave this combination out with an exclude: entry)"
+        raise err.located(f"{spec.source}: run {label}") from None
+
+
+def get_path(obj: Any, dotted: str) -> Any:
+    """The value at a dotted key of a RunConfig."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (YAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)

@@ -1,0 +1,177 @@
+"""What a run measures besides time: collectives per step, peak memory, MFU.
+
+Each measurement runs in its own untimed optimizer step, so the timed steps carry nothing but
+the training step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
+# `_reduce_scatter_base_` per group reduction; DDP's Python comm hook issues `allreduce_`.
+_ALL_GATHER = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
+_REDUCE_SCATTER = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+_ALL_REDUCE = {"allreduce_", "allreduce_coalesced_"}
+
+
+@dataclass
+class CollectiveCounts:
+    """Collectives issued by one rank in one optimizer step, and the bytes of their full buffers
+    (all-gather output, reduce-scatter input, all-reduce tensor: the unsharded size)."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+    other: int = 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives as they pass through the dispatcher (exact and repeatable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = CollectiveCounts()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace == "c10d":
+            self._record(func._opname, args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+        c = self.counts
+        if name in _ALL_GATHER:
+            c.all_gathers += 1
+            c.all_gather_bytes += _nbytes(args[0])
+        elif name in _REDUCE_SCATTER:
+            c.reduce_scatters += 1
+            c.reduce_scatter_bytes += _nbytes(args[1])
+        elif name in _ALL_REDUCE:
+            c.all_reduces += 1
+            c.all_reduce_bytes += _nbytes(args[0])
+        else:
+            c.other += 1
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def count_collectives(step: Callable[[], None]) -> CollectiveCounts:
+    counter = CollectiveCounter()
+    with counter:
+        step()
+    return counter.counts
+
+
+@dataclass
+class MemoryReport:
+    """Peak of tracked tensor memory in one step, with the breakdown at the moment of the peak."""
+
+    peak_bytes: int
+    breakdown_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def track_peak_memory(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None]
+) -> MemoryReport:
+    """Tensor-level peak of one optimizer step (FSDPMemTracker for FSDP2, MemTracker for DDP).
+
+    The model must have taken a step already, so that optimizer state exists (steady state).
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    tracker: MemTracker
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    snapshot: dict[Any, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for key, value in per_device.items():
+            name = key if isinstance(key, str) else key.value
+            snapshot[name] = snapshot.get(name, 0) + value
+    total = snapshot.pop("Total", sum(snapshot.values()))
+    breakdown = {_category(name): value for name, value in snapshot.items() if value}
+    return MemoryReport(peak_bytes=total, breakdown_bytes=breakdown)
+
+
+def _category(name: str) -> str:
+    """'Sharded Param' -> 'sharded_param', 'OptState' -> 'optimizer_state'."""
+    lowered = name.lower().replace(" ", "_")
+    return {"optstate": "optimizer_state", "act": "activation", "inp": "inputs"}.get(
+        lowered, lowered
+    )
+
+
+@dataclass(frozen=True)
+class TimeSummary:
+    """Per-step wall time over repeats: median and spread (seconds)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+
+    @property
+    def spread_pct(self) -> float:
+        """(max - min) / median, in percent: how much to trust a ranking by this time."""
+        return 100.0 * (self.max_s - self.min_s) / self.median_s if self.median_s else 0.0
+
+
+def summarize_times(step_times_s: list[float]) -> TimeSummary:
+    return TimeSummary(
+        median_s=statistics.median(step_times_s), min_s=min(step_times_s), max_s=max(step_times_s)
+    )
+
+
+# Dense (no sparsity) peak tensor-core throughput per GPU, FLOP/s, from NVIDIA's datasheets:
+# H100 SXM / H200 / GH200: 989.4 TFLOPS BF16, 494.7 TF32; H100 PCIe: 756 BF16, 378 TF32;
+# A100: 312 BF16, 156 TF32; L40S: 362 BF16, 183 TF32; B200: 2250 BF16, 1100 TF32.
+# fp32 runs count as TF32 only when torch allows TF32 matmuls; otherwise the plain FP32 rate
+# (H100 SXM / H200 67, H100 PCIe 51, A100 19.5, L40S 91.6, B200 75 TFLOPS).
+_PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
+    # (name fragment, bf16, tf32, fp32); first match wins, so specific names come first
+    ("GH200", 989.4, 494.7, 67.0),
+    ("H200", 989.4, 494.7, 67.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.4, 494.7, 67.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("B200", 2250.0, 1100.0, 75.0),
+]
+
+
+def peak_flops(device_name: str, mixed_precision: str) -> float | None:
+    """Peak FLOP/s of one device for the run's compute dtype; None when unknown (CPUs)."""
+    for fragment, bf16, tf32, fp32 in _PEAK_TFLOPS:
+        if fragment in device_name:
+            if mixed_precision == "bf16":
+                return bf16 * 1e12
+            tf32_on = torch.backends.cuda.matmul.allow_tf32
+            return (tf32 if tf32_on else fp32) * 1e12
+    return None

@@ -1,0 +1,367 @@
+"""The code every rank of a job runs: set up once, then execute the job's runs one by one.
+
+A job holds runs of the same shape (world size and nodes), so process start, `import torch`
+and the process group are paid once per job, not once per run. Between runs everything a run
+built is released and peak statistics are reset, so a run measures the same alone or after
+others.
+
+When a rank fails, it writes a note saying why (OOM, error, collective timeout) and ends its
+process: the rest of the job cannot trust a process group with a collective left half done,
+and a fresh process is the only clean slate after an OOM. The driver turns the notes into the
+run's record and starts the remaining runs in a new job.
+
+Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on a node is light.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_bench import __version__
+from fsdp_bench.config import RunConfig
+from fsdp_bench.distributed import (
+    RankInfo,
+    barrier_and_destroy,
+    hostname,
+    init_process_group,
+    pick_device,
+    rank_info,
+)
+from fsdp_bench.fsdp import parallelize
+from fsdp_bench.metrics import count_collectives, peak_flops, summarize_times, track_peak_memory
+from fsdp_bench.models import build_model
+from fsdp_bench.parity import check_parity
+from fsdp_bench.results import ResultStore, RunResult, write_atomic
+from fsdp_bench.schema import to_plain
+from fsdp_bench.training import build_optimizer, make_train_step, rank_batches
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job needs; pickled by submitit and shipped to every rank."""
+
+    runs: tuple[RunConfig, ...]
+    results_dir: str
+    device: str = "auto"
+    cpu_threads_per_rank: int | None = None
+    collective_timeout_s: float = 300.0
+    verify: bool = False
+
+
+@dataclass
+class RankOutcome:
+    """One rank's measurements of one run, gathered on rank 0 to make the record."""
+
+    hostname: str
+    step_times_s: list[float]
+    tracked_peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    counts: dict[str, int]
+    """CollectiveCounts as a dict."""
+    largest_group_bytes: int
+    num_groups: int
+    num_params: int
+    flops_per_token: float | None
+    setup_s: float
+    cuda_peak_allocated: int | None = None
+    cuda_peak_reserved: int | None = None
+    parity: dict[str, Any] | None = None
+
+
+@dataclass
+class JobContext:
+    info: RankInfo
+    device: torch.device
+    store: ResultStore
+    verify: bool
+    meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
+
+    def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
+        if shape not in self.meshes:
+            self.meshes[shape] = init_device_mesh(self.device.type, shape)
+        return self.meshes[shape]
+
+
+def run_job(job: JobSpec) -> list[str]:
+    """Entry point of every rank (a picklable top-level callable). Returns run ids recorded."""
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+    info = rank_info()
+    device = pick_device(job.device, info.local_rank)
+    if device.type == "cpu":
+        ranks_here = info.world_size // info.num_nodes
+        torch.set_num_threads(job.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here))
+    store = ResultStore(job.results_dir)
+    init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
+    context = JobContext(info=info, device=device, store=store, verify=job.verify)
+    recorded = []
+    for run in job.runs:
+        if _already_recorded(run, context):
+            continue
+        inflight = store.inflight(run.run_id)
+        if info.rank == 0:
+            _mark_started(inflight, info)
+        started_at = _now()
+        start = time.perf_counter()
+        try:
+            outcome = execute_run(run, context)
+        except BaseException as err:  # noqa: BLE001 - every failure becomes a record
+            _fail(inflight, info, err)
+        result = _gather_result(run, context, outcome, started_at, time.perf_counter() - start)
+        if result is not None:
+            store.record(result)
+            _remove(inflight)
+            recorded.append(run.run_id)
+        _release(device)
+    barrier_and_destroy()
+    return recorded
+
+
+def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
+    """Build, shard, warm up, count collectives, track memory, then time. Every rank runs this."""
+    device, rank = context.device, context.info.rank
+    start = time.perf_counter()
+    mesh = context.mesh((run.world_size,))
+    parity = None
+    if context.verify:
+        parity = asdict(check_parity(run, mesh, device, rank))
+        _release(device)
+
+    torch.manual_seed(run.data.seed)
+    bundle = build_model(run.model)
+    model, plan = parallelize(bundle, run, mesh, device)
+    optimizer = build_optimizer(model, run)
+    batches = rank_batches(run, rank, bundle.vocab_size, device)
+    step = make_train_step(model, optimizer, batches, run.train.grad_sync)
+
+    _inject_fault(run, rank, device)
+    for _ in range(run.measure.warmup_steps):
+        step()
+    counts = count_collectives(step)
+    memory = track_peak_memory(model, optimizer, step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    setup_s = time.perf_counter() - start
+
+    step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
+
+    outcome = RankOutcome(
+        hostname=hostname(),
+        step_times_s=step_times,
+        tracked_peak_bytes=memory.peak_bytes,
+        breakdown_bytes=memory.breakdown_bytes,
+        counts=asdict(counts),
+        largest_group_bytes=plan.largest_group_bytes,
+        num_groups=plan.num_groups,
+        num_params=sum(g.num_params for g in plan.groups),
+        flops_per_token=bundle.flops_per_token(run.data.seq_len) if bundle.flops_per_token else None,
+        setup_s=setup_s,
+        parity=parity,
+    )
+    if device.type == "cuda":
+        outcome.cuda_peak_allocated = torch.cuda.max_memory_allocated(device)
+        outcome.cuda_peak_reserved = torch.cuda.max_memory_reserved(device)
+    return outcome
+
+
+def time_steps(step: Any, repeats: int, steps: int, device: torch.device) -> list[float]:
+    """Seconds per optimizer step for each repeat; ranks start each repeat together."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - begin) / steps)
+    return times
+
+
+def _gather_result(
+    run: RunConfig, context: JobContext, outcome: RankOutcome, started_at: str, wall_s: float
+) -> RunResult | None:
+    """All ranks send their outcome to rank 0, which builds the record (others get None)."""
+    info = context.info
+    outcomes: list[RankOutcome | None] = [None] * info.world_size
+    dist.all_gather_object(outcomes, outcome)
+    if info.rank != 0:
+        return None
+    ranks = [o for o in outcomes if o is not None]
+    per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(run.measure.repeats)]
+    times = summarize_times(per_repeat)
+    tokens_per_s = run.tokens_per_step / times.median_s
+    first = ranks[0]
+    counts = first.counts
+    flops_per_token = first.flops_per_token
+    tracked = max(o.tracked_peak_bytes for o in ranks)
+    worst = max(ranks, key=lambda o: o.tracked_peak_bytes)
+    on_cuda = context.device.type == "cuda"
+    peak = max(o.cuda_peak_allocated or 0 for o in ranks) if on_cuda else tracked
+    device_name = _device_name(context.device)
+    peak_flop_s = peak_flops(device_name, run.fsdp.mixed_precision) if on_cuda else None
+    mfu = None
+    if peak_flop_s and flops_per_token:
+        mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
+    parity = first.parity
+    return RunResult(
+        run_id=run.run_id,
+        status="ok",
+        config=to_plain(run),
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_rank=tokens_per_s / run.world_size,
+        step_time_s=times.median_s,
+        step_time_min_s=times.min_s,
+        step_time_max_s=times.max_s,
+        step_time_spread_pct=times.spread_pct,
+        step_times_s=per_repeat,
+        mfu=mfu,
+        flops_per_token=flops_per_token,
+        peak_memory_gib=peak / GIB,
+        peak_reserved_gib=max(o.cuda_peak_reserved or 0 for o in ranks) / GIB if on_cuda else None,
+        tracked_peak_gib=tracked / GIB,
+        memory_breakdown_gib={k: v / GIB for k, v in worst.breakdown_bytes.items()},
+        peak_memory_source="cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
+        all_gathers_per_step=counts["all_gathers"],
+        all_gather_bytes_per_step=counts["all_gather_bytes"],
+        reduce_scatters_per_step=counts["reduce_scatters"],
+        reduce_scatter_bytes_per_step=counts["reduce_scatter_bytes"],
+        all_reduces_per_step=counts["all_reduces"],
+        all_reduce_bytes_per_step=counts["all_reduce_bytes"],
+        largest_group_bytes=first.largest_group_bytes,
+        num_groups=first.num_groups,
+        num_params=first.num_params,
+        parity_ok=parity["ok"] if parity else None,
+        parity_grad_max_abs_diff=parity["grad_max_abs_diff"] if parity else None,
+        parity_param_max_abs_diff=parity["param_max_abs_diff"] if parity else None,
+        reason=parity["detail"] if parity and not parity["ok"] else "",
+        setup_s=max(o.setup_s for o in ranks),
+        wall_s=wall_s,
+        provenance=provenance(context, ranks, started_at),
+    )
+
+
+def provenance(context: JobContext, ranks: list[RankOutcome], started_at: str) -> dict[str, Any]:
+    return {
+        "hostnames": sorted({o.hostname for o in ranks}),
+        "device": context.device.type,
+        "device_name": _device_name(context.device),
+        "backend": dist.get_backend(),
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "fsdp_bench_version": __version__,
+        "python_version": platform.python_version(),
+        "job_id": context.info.job_id,
+        "started_at": started_at,
+        "finished_at": _now(),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _already_recorded(run: RunConfig, context: JobContext) -> bool:
+    """Rank 0 decides (a requeued job skips what it finished) and tells the others."""
+    decision = [context.store.has(run.run_id) if context.info.rank == 0 else None]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
+    if run.fault.kind == "none" or rank != run.fault.rank:
+        return
+    match run.fault.kind:
+        case "oom":  # a real allocation failure: 256 TiB
+            torch.empty(1 << 48, dtype=torch.uint8, device=device)
+        case "error":
+            raise RuntimeError(f"injected fault on rank {rank}")
+        case "hang":
+            while True:
+                time.sleep(3600)
+        case "exit":
+            os._exit(17)
+        case other:
+            raise ValueError(f"fault.kind {other!r}")
+
+
+def classify(err: BaseException) -> str:
+    """oom, timeout, peer (a consequence of another rank's failure) or error."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
+        return "oom"
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return "timeout"
+    peer_signs = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset")
+    if any(sign in lowered for sign in peer_signs):
+        return "peer"
+    return "error"
+
+
+def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
+    """Leave a note for the driver and end this process (see the module docstring)."""
+    note = {
+        "rank": info.rank,
+        "hostname": hostname(),
+        "class": classify(err),
+        "type": type(err).__name__,
+        "message": _tail(traceback.format_exception_only(type(err), err)),
+        "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
+        "at": _now(),
+    }
+    try:
+        write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
+    finally:
+        traceback.print_exception(type(err), err, err.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _mark_started(inflight: Path, info: RankInfo) -> None:
+    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": _now()}
+    write_atomic(inflight / "started.json", json.dumps(marker))
+
+
+def _remove(inflight: Path) -> None:
+    shutil.rmtree(inflight, ignore_errors=True)
+
+
+def _release(device: torch.device) -> None:
+    """Free what the last run built, so the next one starts from the same state."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _tail(lines: list[str], keep: int = 5) -> str:
+    return "".join(lines[-keep:]).strip()[-2000:]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
