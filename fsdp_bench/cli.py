@@ -88,21 +88,25 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _describe_expansion(spec: object, results: Path | None) -> str:
-    from fsdp_bench.grid import SweepSpec, expand, get_path
+    from fsdp_bench.errors import yaml_scalar
+    from fsdp_bench.grid import SweepSpec, axis_keys, expand, get_path
     from fsdp_bench.results import ResultStore
     from fsdp_bench.sweep import pack_runs, results_dir_for
 
     assert isinstance(spec, SweepSpec)
     expansion = expand(spec)
     done = ResultStore(results_dir_for(spec, results)).done_ids()
-    keys = list(spec.axes)
-    lines = ["run_id        " + "  ".join(keys) + "  recorded"]
-    for run in expansion.runs:
-        values = "  ".join(str(get_path(run, k)).ljust(len(k)) for k in keys)
-        lines.append(f"{run.run_id}  {values}  {'yes' if run.run_id in done else 'no'}")
+    keys = axis_keys(spec)
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "recorded"]
+    rows = [
+        [run.run_id, *(yaml_scalar(get_path(run, k)) for k in keys), "yes" if run.run_id in done else "no"]
+        for run in expansion.runs
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     lines.append(
         f"{len(expansion.runs)} runs in {len(pack_runs(expansion.runs))} jobs"
-        f" ({expansion.excluded} excluded, {expansion.collapsed} identical to another run under ddp)"
+        f" ({expansion.excluded} excluded, {expansion.collapsed} equal to another run)"
     )
     return "\n".join(lines)
 

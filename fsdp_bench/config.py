@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsdp_bench.errors import FieldError
+from fsdp_bench.errors import CombinationError, FieldError
 from fsdp_bench.presets import PRESETS, SHAPE_OVERRIDES, ModelShape, resolve_shape
 from fsdp_bench.schema import bad_value, non_default_fields
 
@@ -176,7 +176,7 @@ class RunConfig:
         _at_least(self, "world_size", 1)
         ppn = self.processes_per_node
         if ppn is not None and (ppn < 1 or self.world_size % ppn):
-            raise bad_value(
+            raise CombinationError(
                 "processes_per_node",
                 ppn,
                 f"must divide world_size {self.world_size} (nodes = world_size / processes_per_node)",
@@ -184,19 +184,19 @@ class RunConfig:
         reshard = self.fsdp.reshard_after_forward
         if isinstance(reshard, int) and not isinstance(reshard, bool):
             if self.world_size % reshard:
-                raise bad_value(
+                raise CombinationError(
                     "fsdp.reshard_after_forward",
                     reshard,
                     f"an int must divide the shard group size (world_size {self.world_size}): "
                     f"allowed true, false, default or one of {_divisors(self.world_size)}",
                 )
         if not 0 <= self.fault.rank < self.world_size:
-            raise bad_value("fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}")
+            raise CombinationError("fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}")
         if not self.model.is_user_model:
             n_layers = self.model.shape.n_layers
             k = grouping_block_count(self.fsdp.grouping)
             if k is not None and k > n_layers:
-                raise bad_value(
+                raise CombinationError(
                     "fsdp.grouping",
                     self.fsdp.grouping,
                     f"K must be at most the model's {n_layers} blocks",

@@ -51,13 +51,23 @@ class FieldError(ConfigError):
         return self
 
 
+class CombinationError(FieldError):
+    """A value that is wrong only together with another setting (a reshard int and a world
+    size): reported for the combination, since another point of the grid may be fine."""
+
+
 def show(value: object) -> str:
-    """A value as the user wrote it in YAML (true, not True; null, not None)."""
+    """A value as the user wrote it in YAML, strings quoted (for error messages)."""
+    return repr(value) if isinstance(value, str) else yaml_scalar(value)
+
+
+def yaml_scalar(value: object) -> str:
+    """true, not True; null, not None (for tables)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "null"
-    return repr(value)
+    return str(value)
 
 
 class LaunchError(FsdpBenchError):

@@ -1,5 +1,8 @@
 """A grid file: a base run, axes whose cartesian product gives the runs, and exclusions.
 
+`axes` is one mapping (one product) or a list of mappings (the union of their products, for
+"this product, plus one knob at a time against the base"). Equal runs are listed once.
+
 Everything is validated here, before anything runs: a grid either expands into a list of
 valid `RunConfig`s or fails with one line naming the key, the value and what is allowed.
 """
@@ -17,7 +20,7 @@ from typing import Any
 import yaml
 
 from fsdp_bench.config import LauncherConfig, RunConfig, canonical_grouping
-from fsdp_bench.errors import ConfigError, FieldError, show
+from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
 from fsdp_bench.schema import bad_value, build, coerce, field_paths
 
 AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
@@ -31,8 +34,8 @@ class SweepSpec:
     description: str = ""
     base: dict[str, Any] = field(default_factory=dict)
     """The run every grid point starts from (a RunConfig as a mapping)."""
-    axes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Dotted RunConfig key -> values; the runs are their cartesian product."""
+    axes: tuple[dict[str, tuple[Any, ...]], ...] = ()
+    """Products of dotted RunConfig key -> values; the runs are the union of the products."""
     exclude: tuple[dict[str, tuple[Any, ...]], ...] = ()
     """Combinations to leave out: every key's value must match (a list means any of)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -93,7 +96,11 @@ def _parse(data: object, source: str) -> SweepSpec:
     except FieldError as err:
         raise err.under("base") from None
 
-    axes = _parse_axes(data.get("axes") or {})
+    raw_axes = data.get("axes") or {}
+    if isinstance(raw_axes, list):
+        axes = tuple(_parse_axes(p, f"axes[{i}]", base) for i, p in enumerate(raw_axes))
+    else:
+        axes = (_parse_axes(raw_axes, "axes", base),)
     exclude = _parse_exclude(data.get("exclude") or [])
     try:
         launcher = build(LauncherConfig, data.get("launcher") or {})
@@ -110,16 +117,20 @@ def _parse(data: object, source: str) -> SweepSpec:
     )
 
 
-def _parse_axes(raw: object) -> dict[str, tuple[Any, ...]]:
+def _parse_axes(raw: object, where_axes: str, base: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
     if not isinstance(raw, Mapping):
-        raise bad_value("axes", raw, "expected a mapping of dotted keys to lists of values")
+        raise bad_value(
+            where_axes, raw, "expected a mapping of dotted keys to lists of values (or a list of them)"
+        )
     axes: dict[str, tuple[Any, ...]] = {}
     for key, values in raw.items():
-        where = f"axes.{key}"
+        where = f"{where_axes}.{key}"
         _check_path(where, key)
         if not isinstance(values, list) or not values:
             raise bad_value(where, values, "expected a non-empty list of values")
         normalised = tuple(_normalise(key, v, f"{where}[{i}]") for i, v in enumerate(values))
+        for i, value in enumerate(normalised):
+            _check_alone(base, key, value, f"{where}[{i}]")
         for i, value in enumerate(normalised):
             if any(_same(value, earlier) for earlier in normalised[:i]):
                 raise bad_value(f"{where}[{i}]", values[i], "each value may appear only once")
@@ -160,6 +171,33 @@ def _normalise(key: str, value: object, where: str) -> Any:
     return value
 
 
+def _check_alone(base: Mapping[str, Any], key: str, value: Any, where: str) -> None:
+    """Range checks of one axis value on the base run, reported at the axis value's place.
+
+    Errors that depend on other axes (an int reshard against a world size) are left to the
+    check of each run, which names the combination.
+    """
+    try:
+        build(RunConfig, _with_values(base, {key: value}))
+    except CombinationError:
+        return
+    except FieldError as err:
+        if err.key == key:
+            raise bad_value(where, value, err.allowed) from None
+
+
+def _with_values(base: Mapping[str, Any], point: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the base mapping with dotted keys set."""
+    data = copy.deepcopy(dict(base))
+    for key, value in point.items():
+        section = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = list(value) if isinstance(value, tuple) else value
+    return data
+
+
 def _same(a: object, b: object) -> bool:
     """Equality that keeps true and 1 apart (they mean different reshard settings)."""
     return type(a) is type(b) and a == b
@@ -168,19 +206,25 @@ def _same(a: object, b: object) -> bool:
 def expand(spec: SweepSpec) -> Expansion:
     """The grid's runs in axis order, excluded points removed, equivalent points merged."""
     base_run = build(RunConfig, spec.base)
-    keys = list(spec.axes)
     runs: dict[str, RunConfig] = {}
     excluded = 0
     points = 0
-    for values in itertools.product(*(spec.axes[k] for k in keys)):
-        point = dict(zip(keys, values))
-        if any(_matches(rule, point, base_run) for rule in spec.exclude):
-            excluded += 1
-            continue
-        points += 1
-        run = _build_point(spec, point).canonical()
-        runs.setdefault(run.run_id, run)
+    for product in spec.axes or ({},):
+        keys = list(product)
+        for values in itertools.product(*(product[k] for k in keys)):
+            point = dict(zip(keys, values))
+            if any(_matches(rule, point, base_run) for rule in spec.exclude):
+                excluded += 1
+                continue
+            points += 1
+            run = _build_point(spec, point).canonical()
+            runs.setdefault(run.run_id, run)
     return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
+
+
+def axis_keys(spec: SweepSpec) -> list[str]:
+    """Every key that some product varies, in first-appearance order."""
+    return list(dict.fromkeys(k for product in spec.axes for k in product))
 
 
 def _matches(rule: dict[str, tuple[Any, ...]], point: dict[str, Any], base: RunConfig) -> bool:
@@ -192,15 +236,8 @@ def _matches(rule: dict[str, tuple[Any, ...]], point: dict[str, Any], base: RunC
 
 
 def _build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
-    data = copy.deepcopy(spec.base)
-    for key, value in point.items():
-        section = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            section = section.setdefault(part, {})
-        section[leaf] = list(value) if isinstance(value, tuple) else value
     try:
-        return build(RunConfig, data)
+        return build(RunConfig, _with_values(spec.base, point))
     except FieldError as err:
         label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
         err.allowed += " (or leave this combination out with an exclude: entry)"

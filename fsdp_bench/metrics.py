@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_bench.training import Batch, make_train_step
+
 # c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
 # `_reduce_scatter_base_` per group reduction; DDP's Python comm hook issues `allreduce_`.
 _ALL_GATHER = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
@@ -93,11 +95,13 @@ class MemoryReport:
 
 
 def track_peak_memory(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None]
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], grad_sync: str
 ) -> MemoryReport:
     """Tensor-level peak of one optimizer step (FSDPMemTracker for FSDP2, MemTracker for DDP).
 
-    The model must have taken a step already, so that optimizer state exists (steady state).
+    The model must have taken steps already, so that optimizer state exists (steady state).
+    The tracker counts a second forward of the root as a new iteration and refuses it, so its
+    per-module statistics are cleared between micro-batches; the peak survives the reset.
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -109,6 +113,9 @@ def track_peak_memory(
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
+    step = make_train_step(
+        model, optimizer, batches, grad_sync, before_micro_batch=tracker.reset_mod_stats
+    )
     with tracker:
         step()
     snapshot: dict[Any, int] = {}

@@ -116,8 +116,8 @@ class Transformer(nn.Module):
         if self.shape.tie_embeddings:
             self.tok_embeddings.weight.mul_(std)
         depth_std = std / math.sqrt(2 * self.shape.n_layers)
-        for layer in self.layers:
-            assert isinstance(layer, TransformerBlock)
+        blocks = [m for m in self.modules() if isinstance(m, TransformerBlock)]  # even if wrapped
+        for layer in blocks:
             for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
                 nn.init.normal_(linear.weight, std=std)
             for linear in (layer.feed_forward.w1, layer.feed_forward.w3):

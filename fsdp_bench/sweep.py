@@ -30,7 +30,7 @@ from fsdp_bench.worker import JobSpec
 MAX_ATTEMPTS = 3
 # After the first rank reports a failure, the others get this long to end by themselves before
 # the job is cancelled (a rank that hangs never will).
-FAILURE_GRACE_S = 10.0
+FAILURE_GRACE_S = 5.0
 
 
 @dataclass
@@ -203,6 +203,7 @@ class _Follower:
     def _reconcile(self, item: _Watched) -> list[list[RunConfig]]:
         """After a job ended: record its failed run, and return what must run again."""
         self._collect(item.runs)
+        progressed = any(self.store.has(r.run_id) for r in item.runs)
         remaining = []
         for run in item.runs:
             if self.store.has(run.run_id):
@@ -212,14 +213,20 @@ class _Follower:
                 status, reason = classify_failure(_read_notes(inflight), item.cancel_reason)
                 self._record_failure(run, status, reason, item.job)
                 shutil.rmtree(inflight, ignore_errors=True)
-                continue
-            self.attempts[run.run_id] += 1
-            if self.attempts[run.run_id] >= MAX_ATTEMPTS:
-                tail = item.job.log_tail(0)
-                reason = f"job {item.job.job_id} ended before this run started, {MAX_ATTEMPTS} times"
-                self._record_failure(run, "error", f"{reason}; log tail:\n{tail}", item.job)
-                continue
-            remaining.append(run)
+                progressed = True
+            else:
+                remaining.append(run)
+        if not progressed:  # the job died before its first run: count it against the runs
+            for run in remaining:
+                self.attempts[run.run_id] += 1
+            if remaining and self.attempts[remaining[0].run_id] >= MAX_ATTEMPTS:
+                reason = (
+                    f"{MAX_ATTEMPTS} jobs in a row ended before this run started "
+                    f"(last job {item.job.job_id}); log tail:\n{item.job.log_tail(0)}"
+                )
+                for run in remaining:
+                    self._record_failure(run, "error", reason, item.job)
+                remaining = []
         return pack_runs(remaining)
 
     def _record_failure(self, run: RunConfig, status: str, reason: str, job: SubmittedJob) -> None:

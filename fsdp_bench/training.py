@@ -62,7 +62,10 @@ def build_optimizer(model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
 
 
 def forward_backward(
-    model: nn.Module, batches: list[Batch], grad_sync: str
+    model: nn.Module,
+    batches: list[Batch],
+    grad_sync: str,
+    before_micro_batch: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """The step's micro-batches: forward and backward, loss scaled by 1/K."""
     count = len(batches)
@@ -70,6 +73,8 @@ def forward_backward(
 
     def run_micro_batches() -> None:
         for index, (inputs, targets) in enumerate(batches):
+            if before_micro_batch is not None:
+                before_micro_batch()
             if sync_last_only:
                 _set_gradient_sync(model, index == count - 1)
             loss = loss_fn(model(inputs), targets)
@@ -79,10 +84,14 @@ def forward_backward(
 
 
 def make_train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], grad_sync: str
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Batch],
+    grad_sync: str,
+    before_micro_batch: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """One optimizer step as a closure: the exact code the timed loop runs."""
-    micro_batches = forward_backward(model, batches, grad_sync)
+    micro_batches = forward_backward(model, batches, grad_sync, before_micro_batch)
 
     def train_step() -> None:
         micro_batches()

@@ -155,13 +155,16 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     for _ in range(run.measure.warmup_steps):
         step()
     counts = count_collectives(step)
-    memory = track_peak_memory(model, optimizer, step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     setup_s = time.perf_counter() - start
 
     step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
+
+    cuda_peaks = _cuda_peaks(device)
+    # Last, because the memory tracker instruments the model (and may leave hooks behind).
+    memory = track_peak_memory(model, optimizer, batches, run.train.grad_sync)
 
     outcome = RankOutcome(
         hostname=hostname(),
@@ -174,12 +177,18 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         num_params=sum(g.num_params for g in plan.groups),
         flops_per_token=bundle.flops_per_token(run.data.seq_len) if bundle.flops_per_token else None,
         setup_s=setup_s,
+        cuda_peak_allocated=cuda_peaks[0],
+        cuda_peak_reserved=cuda_peaks[1],
         parity=parity,
     )
-    if device.type == "cuda":
-        outcome.cuda_peak_allocated = torch.cuda.max_memory_allocated(device)
-        outcome.cuda_peak_reserved = torch.cuda.max_memory_reserved(device)
     return outcome
+
+
+def _cuda_peaks(device: torch.device) -> tuple[int | None, int | None]:
+    """(max allocated, max reserved) bytes since the last reset; None off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
 def time_steps(step: Any, repeats: int, steps: int, device: torch.device) -> list[float]:
@@ -308,7 +317,9 @@ def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
 
 
 def classify(err: BaseException) -> str:
-    """oom, timeout, peer (a consequence of another rank's failure) or error."""
+    """oom, timeout, error; or peer / interrupted, which only echo another rank's failure."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return "interrupted"  # the driver stopped a job whose other ranks had failed
     text = f"{type(err).__name__}: {err}"
     if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
         return "oom"

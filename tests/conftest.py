@@ -1,0 +1,71 @@
+"""Shared fixtures: run real sweeps (real processes, gloo on loopback) into temporary folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from fsdp_bench import load_results
+from fsdp_bench.grid import load_grid
+from fsdp_bench.sweep import SweepOptions, SweepOutcome, run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Fast measurement for tests that check behaviour, not speed.
+QUICK_MEASURE = {"warmup_steps": 1, "timed_steps": 1, "repeats": 1}
+
+
+def write_grid(folder: Path, grid: dict[str, Any]) -> Path:
+    path = folder / f"{grid['name']}.yaml"
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return path
+
+
+def sweep(
+    folder: Path, grid: dict[str, Any], *, verify: bool = False, results: Path | None = None
+) -> tuple[SweepOutcome, pd.DataFrame]:
+    """Run a grid for real (local launcher) and return its outcome and results table."""
+    spec = load_grid(write_grid(folder, grid))
+    results = results or folder / "results"
+    outcome = run_sweep(spec, SweepOptions(results_dir=results, verify=verify, progress=False))
+    return outcome, load_results(results)
+
+
+def tiny_grid(name: str, axes: Any, **base: Any) -> dict[str, Any]:
+    """A grid on the tiny model at world size 2 with quick measurement."""
+    merged: dict[str, Any] = {
+        "world_size": 2,
+        "model": {"name": "tiny"},
+        "measure": dict(QUICK_MEASURE),
+    }
+    merged.update(base)
+    return {
+        "name": name,
+        "base": merged,
+        "axes": axes,
+        "launcher": {"collective_timeout_s": 30},
+    }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    """In CI a skip is a failure, unless it is a GPU test on a machine without a GPU."""
+    if not os.environ.get("CI"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    bad = [r for r in reporter.stats.get("skipped", []) if "no GPU" not in str(r.longrepr)]
+    if bad:
+        reporter.write_line(f"CI: {len(bad)} test(s) skipped for a reason other than 'no GPU':")
+        for report in bad:
+            reporter.write_line(f"  {report.nodeid}: {report.longrepr}")
+        session.exitstatus = 1
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

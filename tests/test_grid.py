@@ -1,0 +1,284 @@
+"""Grid files: expansion, exclusions, stable run ids, and every validation error a user can hit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_bench.config import FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.errors import ConfigError
+from fsdp_bench.grid import expand, load_grid, parse_grid
+
+
+def grid(**sections: Any) -> dict[str, Any]:
+    return {"name": "g", **sections}
+
+
+def runs_of(data: dict[str, Any]) -> list[RunConfig]:
+    return expand(parse_grid(data)).runs
+
+
+def error_of(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        expand(parse_grid(data, source="grid.yaml"))
+    message = str(info.value)
+    assert "\n" not in message, "errors are one line"
+    return message
+
+
+def test_cartesian_product_in_axis_order() -> None:
+    runs = runs_of(
+        grid(axes={"world_size": [1, 2], "fsdp.grouping": ["root", "block", "blocks:2"]})
+    )
+    assert [(r.world_size, r.fsdp.grouping) for r in runs] == [
+        (1, "root"), (1, "block"), (1, "blocks:2"), (2, "root"), (2, "block"), (2, "blocks:2"),
+    ]
+
+
+def test_base_values_reach_every_run() -> None:
+    runs = runs_of(
+        grid(
+            base={"data": {"seq_len": 64}, "train": {"accumulation_steps": 4}},
+            axes={"world_size": [1, 2]},
+        )
+    )
+    assert {(r.data.seq_len, r.train.accumulation_steps) for r in runs} == {(64, 4)}
+
+
+def test_exclude_matches_values_and_lists() -> None:
+    runs = runs_of(
+        grid(
+            base={"world_size": 4},
+            axes={
+                "world_size": [2, 4],
+                "fsdp.reshard_after_forward": [True, False, 2],
+                "fsdp.grouping": ["root", "linear"],
+            },
+            exclude=[
+                {"world_size": 2, "fsdp.reshard_after_forward": 2},
+                {"fsdp.grouping": "linear", "fsdp.reshard_after_forward": [True, False]},
+            ],
+        )
+    )
+    points = {(r.world_size, r.fsdp.reshard_after_forward, r.fsdp.grouping) for r in runs}
+    assert (2, 2, "root") not in points
+    assert (4, True, "linear") not in points
+    assert (4, 2, "linear") in points
+    assert (2, True, "root") in points
+    assert len(runs) == 12 - 2 - 4  # rule 1 drops 2 points, rule 2 drops 4, none twice
+
+
+def test_exclude_tells_true_from_one() -> None:
+    runs = runs_of(
+        grid(
+            axes={"fsdp.reshard_after_forward": [True, 1]},
+            exclude=[{"fsdp.reshard_after_forward": 1}],
+        )
+    )
+    assert [r.fsdp.reshard_after_forward for r in runs] == [True]
+
+
+def test_list_of_products_is_their_union_without_duplicates() -> None:
+    runs = runs_of(
+        grid(
+            axes=[
+                {"fsdp.grouping": ["root", "block"]},
+                {"fsdp.prefetch": [1, 2]},
+                {"fsdp.grouping": ["block"]},  # equal to a run of the first product
+            ]
+        )
+    )
+    assert [(r.fsdp.grouping, r.fsdp.prefetch) for r in runs] == [
+        ("root", "implicit"), ("block", "implicit"), ("block", 1), ("block", 2),
+    ]
+
+
+def test_ddp_runs_ignore_fsdp_only_settings() -> None:
+    expansion = expand(
+        parse_grid(
+            grid(
+                axes={
+                    "strategy": ["fsdp", "ddp"],
+                    "fsdp.grouping": ["root", "block"],
+                    "fsdp.mixed_precision": ["fp32", "bf16"],
+                }
+            )
+        )
+    )
+    ddp = [r for r in expansion.runs if r.strategy == "ddp"]
+    assert len(ddp) == 2  # grouping does not apply to DDP; mixed precision does
+    assert {r.fsdp.mixed_precision for r in ddp} == {"fp32", "bf16"}
+    assert expansion.collapsed == 2
+
+
+def test_grouping_list_form_is_canonical() -> None:
+    runs = runs_of(grid(base={"fsdp": {"grouping": ["layers.*.attention", "layers.*.feed_forward"]}}))
+    assert runs[0].fsdp.grouping == "modules:layers.*.attention,layers.*.feed_forward"
+
+
+def test_run_id_is_stable_and_ignores_how_it_was_written() -> None:
+    a = RunConfig(world_size=2, fsdp=FsdpConfig(grouping="block"))
+    b = runs_of(grid(base={"world_size": 2, "fsdp": {"grouping": "block"}}))[0]
+    assert a.run_id == b.run_id
+    assert a.run_id != RunConfig(world_size=2, fsdp=FsdpConfig(grouping="root")).run_id
+    # reshard true and reshard 1 are different settings even though True == 1 in Python
+    t = RunConfig(world_size=2, fsdp=FsdpConfig(reshard_after_forward=True))
+    one = RunConfig(world_size=2, fsdp=FsdpConfig(reshard_after_forward=1))
+    assert t.run_id != one.run_id
+
+
+def test_run_id_is_the_same_in_another_process() -> None:
+    config = RunConfig(
+        world_size=4,
+        model=ModelConfig(name="small", tie_embeddings=True),
+        train=TrainConfig(accumulation_steps=2, grad_sync="last", learning_rate=3e-4),
+    )
+    code = (
+        "from fsdp_bench.config import *\n"
+        "print(RunConfig(world_size=4, model=ModelConfig(name='small', tie_embeddings=True),"
+        " train=TrainConfig(accumulation_steps=2, grad_sync='last', learning_rate=3e-4)).run_id)"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+    ).stdout.strip()
+    assert other == config.run_id
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (
+            grid(base={"fsdp": {"groupin": "block"}}),
+            "grid.yaml: base.fsdp.groupin: unknown key; valid keys: grouping, reshard_after_forward",
+        ),
+        (
+            grid(axes={"fsdp.reshard": [True]}),
+            "grid.yaml: axes.fsdp.reshard: unknown key; valid keys: world_size",
+        ),
+        (
+            grid(bogus=1),
+            "grid.yaml: bogus: unknown key; valid keys: name, description, base, axes",
+        ),
+        (
+            grid(base={"world_size": "two"}),
+            "grid.yaml: base.world_size: 'two' is not allowed; expected an integer",
+        ),
+        (
+            grid(base={"world_size": True}),
+            "grid.yaml: base.world_size: true is not allowed; expected an integer",
+        ),
+        (
+            grid(base={"fsdp": {"reshard_after_forward": "maybe"}}),
+            "base.fsdp.reshard_after_forward: 'maybe' is not allowed; "
+            "expected one of true, false, default or an integer",
+        ),
+        (
+            grid(base={"world_size": 6, "processes_per_node": 4}),
+            "base.processes_per_node: 4 is not allowed; must divide world_size 6",
+        ),
+        (
+            grid(axes={"world_size": [2, 3], "fsdp.reshard_after_forward": [2]}),
+            "grid.yaml: run {world_size: 3, fsdp.reshard_after_forward: 2}: "
+            "fsdp.reshard_after_forward: 2 is not allowed; an int must divide the shard group "
+            "size (world_size 3): allowed true, false, default or one of 1, 3",
+        ),
+        (
+            grid(base={"train": {"accumulation_steps": 0}}),
+            "base.train.accumulation_steps: 0 is not allowed; expected an integer >= 1",
+        ),
+        (
+            grid(axes={"train.accumulation_steps": [1, 0]}),
+            "axes.train.accumulation_steps[1]: 0 is not allowed; expected an integer >= 1",
+        ),
+        (
+            grid(base={"model": {"name": "gpt-5"}}),
+            "base.model.name: 'gpt-5' is not allowed; expected one of tiny, small, llama3-1b",
+        ),
+        (
+            grid(base={"fsdp": {"grouping": "blocks:0"}}),
+            "base.fsdp.grouping: 'blocks:0' is not allowed; expected root, block, blocks:K",
+        ),
+        (
+            grid(base={"fsdp": {"grouping": "blocks:9"}}),
+            "base.fsdp.grouping: 'blocks:9' is not allowed; K must be at most the model's 4 blocks",
+        ),
+        (
+            grid(base={"fsdp": {"prefetch": 0}}),
+            "base.fsdp.prefetch: 0 is not allowed; expected implicit or a depth >= 1",
+        ),
+        (
+            grid(axes={"world_size": [1, 1]}),
+            "axes.world_size[1]: 1 is not allowed; each value may appear only once",
+        ),
+        (
+            grid(axes={"world_size": []}),
+            "axes.world_size: [] is not allowed; expected a non-empty list of values",
+        ),
+        (
+            grid(base={"fsdp": {"mixed_precision": "fp16"}}),
+            "base.fsdp.mixed_precision: 'fp16' is not allowed; expected one of fp32, bf16",
+        ),
+        (
+            grid(launcher={"kind": "kubernetes"}),
+            "launcher.kind: 'kubernetes' is not allowed; expected one of local",
+        ),
+        (
+            {"name": "bad name!"},
+            "grid.yaml: name: 'bad name!' is not allowed; expected a name of letters",
+        ),
+    ],
+)
+def test_validation_errors_name_key_value_and_what_is_allowed(
+    data: dict[str, Any], expected: str
+) -> None:
+    assert expected in error_of(data)
+
+
+def test_yaml_problems_are_one_line_errors(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("name: a\nbase:\n  world_size: 2\n  world_size: 4\n")
+    with pytest.raises(ConfigError, match="key 'world_size' appears twice"):
+        load_grid(path)
+    path.write_text("name: a\nbase: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_grid(path)
+    with pytest.raises(ConfigError, match="cannot read grid file"):
+        load_grid(tmp_path / "missing.yaml")
+
+
+def test_cli_reports_bad_grid_in_one_line_with_exit_code_2(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nbase:\n  train:\n    accumulation_steps: 0\n")
+    command = [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"fsdp-bench: error: {path}: base.train.accumulation_steps: 0 is not allowed; "
+        "expected an integer >= 1"
+    ]
+    assert not list(tmp_path.glob("runs/*")), "nothing ran"
+    debug = subprocess.run(command[:3] + ["--debug"] + command[3:], capture_output=True, text=True)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_dry_run_lists_runs_without_running(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        "name: g\naxes:\n  fsdp.grouping: [root, block]\n  fsdp.reshard_after_forward: [true, false]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--dry-run",
+         "--results", str(tmp_path / "r")],
+        capture_output=True, text=True, check=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].split() == ["run_id", "grouping", "reshard_after_forward", "recorded"]
+    assert len(lines) == 1 + 4 + 1
+    assert lines[1].split()[1:] == ["root", "true", "no"]
+    assert lines[-1].startswith("4 runs in 1 jobs")
+    assert not (tmp_path / "r").exists()
