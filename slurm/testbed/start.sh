@@ -27,6 +27,7 @@ STATE_DIR=$(cd "$STATE_DIR" && pwd -P)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
+cd "$STATE_DIR" # daemons inherit the working directory; keep them out of the caller's
 
 MAX_ARRAY_SIZE=${FSDP_BENCH_SLURM_MAX_ARRAY_SIZE:-1001}
 NODE_CPUS=${FSDP_BENCH_SLURM_NODE_CPUS:-8}
@@ -62,7 +63,7 @@ fail() {
     done
     if [ "$STARTED" = 1 ] && [ "${FSDP_BENCH_SLURM_KEEP_ON_FAILURE:-0}" != 1 ]; then
         echo "(stopping what was started; FSDP_BENCH_SLURM_KEEP_ON_FAILURE=1 keeps it)" >&2
-        "$HERE/stop.sh" "$STATE_DIR" || true
+        "$HERE/stop.sh" "$STATE_DIR" >&2 || true
     fi
     exit 1
 }
@@ -91,9 +92,14 @@ wait_for() {
 launch() {
     local logfile=$1
     shift
-    setsid env "$MARKER" SLURM_CONF="$SLURM_CONF_FILE" "$@" </dev/null >>"$logfile" 2>&1 9>&- &
+    # env -i: daemons do not inherit the caller's environment (venv, LD_PRELOAD, proxies).
+    setsid env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME="${HOME:-/root}" "$MARKER" \
+        SLURM_CONF="$SLURM_CONF_FILE" "$@" </dev/null >"$logfile" 2>&1 9>&- &
 }
 
+if [ "$(id -u)" -ne 0 ]; then
+    fail "must run as root (daemons run as root; slurmd needs namespaces and mounts)"
+fi
 take_lock
 
 # ---------------------------------------------------------------- fast path: already up
@@ -120,9 +126,12 @@ cluster_healthy() {
     [ "$(cat "$RUN/fingerprint" 2>/dev/null)" = "$FINGERPRINT" ] || return 1
     export SLURM_CONF="$SLURM_CONF_FILE"
     timeout 10 scontrol ping 2>/dev/null | grep -q 'is UP' || return 1
-    # Both nodes must be responding (a trailing '*' means not responding) and usable.
-    [ "$(timeout 10 sinfo -h -N -p "$PARTITION" -o '%N %t' 2>/dev/null |
-        grep -cE '^n[12] (idle|mix|alloc|comp)$')" = 2 ] || return 1
+    # Every node must be responding (a trailing '*' means not responding) and usable.
+    local out
+    out=$(timeout 10 sinfo -h -N -p "$PARTITION" -o '%N %t' 2>/dev/null) || return 1
+    for n in "${NODES[@]}"; do
+        grep -qE "^$n (idle|mix|alloc|comp)\$" <<<"$out" || return 1
+    done
     timeout 10 sacct -n -X -S now-1minutes -o JobID >/dev/null 2>&1 || return 1
 }
 
@@ -133,16 +142,13 @@ if cluster_healthy; then
 fi
 if [ -n "$(marker_pids)" ] || ls "$RUN"/*.pid >/dev/null 2>&1; then
     log "testbed partly running, unhealthy, not cleanly stopped or with changed settings: stopping it first"
-    "$HERE/stop.sh" "$STATE_DIR" || fail "stop.sh failed"
+    "$HERE/stop.sh" "$STATE_DIR" >&2 || fail "stop.sh failed"
 fi
 rm -f "$ENV_FILE"
 
 # ---------------------------------------------------------------- prerequisites
 t=$(now)
-if [ "$(id -u)" -ne 0 ]; then
-    fail "must run as root (slurmd needs to create namespaces and mount)"
-fi
-"$HERE/install.sh" || fail "install.sh failed"
+"$HERE/install.sh" >&2 || fail "install.sh failed" # apt output: stderr, stdout keeps one line
 phase install "$t"
 
 # slurmd 22.05 dies at start unless a cgroup filesystem is mounted at /sys/fs/cgroup,
@@ -155,6 +161,12 @@ for f in "$MUNGE_SOCK" "$MYSQL_SOCK"; do
     [ "${#f}" -lt 100 ] || fail "STATE_DIR path too long for unix sockets: $f"
 done
 
+# Logs of the previous run are kept in log.prev/ (e.g. to see why it crashed); log/ only
+# holds this run's, so the tails printed on failure are relevant.
+if [ -d "$LOG" ]; then
+    rm -rf "$STATE_DIR/log.prev"
+    mv "$LOG" "$STATE_DIR/log.prev"
+fi
 mkdir -p "$ETC" "$RUN" "$LOG" "$SPOOL/ctld" "$MYSQL_TMP" "$STATE_DIR/mysql"
 for n in "${NODES[@]}"; do mkdir -p "$SPOOL/$n"; done
 mkdir -p "$MUNGE_DIR"
@@ -166,23 +178,27 @@ chmod 0711 "$MUNGE_DIR" # munged refuses a socket dir other users can write to/l
 read -r eph_lo _ </proc/sys/net/ipv4/ip_local_port_range
 port_hi=$((eph_lo > 21000 ? eph_lo : 32768))
 used=" $(ss -Htanu 2>/dev/null | awk '{n = split($4, a, ":"); print a[n]}' | sort -un | tr '\n' ' ') "
+# pick_port VAR: sets VAR to a port not in use and not picked before (no subshell, so
+# the record of picked ports survives between calls). The range is 20000 up to the
+# ephemeral range, so a rare clash with a job's own port (e.g. MASTER_PORT) is possible.
 pick_port() {
     local p
     while :; do
         p=$((20000 + RANDOM % (port_hi - 20000)))
         case "$used" in *" $p "*) continue ;; esac
         used+="$p "
-        echo "$p"
+        printf -v "$1" '%s' "$p"
         return
     done
 }
-PORT_MYSQL=$(pick_port)
-PORT_DBD=$(pick_port)
-PORT_CTLD=$(pick_port)
+pick_port PORT_MYSQL
+pick_port PORT_DBD
+pick_port PORT_CTLD
 declare -A PORT_NODE ADDR_NODE
 i=1
 for n in "${NODES[@]}"; do
-    PORT_NODE[$n]=$(pick_port)
+    pick_port port
+    PORT_NODE[$n]=$port
     # All of 127.0.0.0/8 is local on Linux: each node gets its own loopback address.
     ADDR_NODE[$n]="127.0.1.$i"
     i=$((i + 1))
@@ -190,7 +206,6 @@ done
 
 # ---------------------------------------------------------------- configuration files
 HOST=$(hostname -s)
-SLURM_LIBEXEC=/usr/lib/x86_64-linux-gnu/slurm-wlm
 
 # Private /etc/hosts for the nodes: the real one (so the controller's name resolves)
 # plus n1/n2 at their loopback addresses. Bind-mounted over /etc/hosts in each node's
@@ -327,7 +342,6 @@ export SLURM_CONF="$SLURM_CONF_FILE"
 # ---------------------------------------------------------------- munged
 t=$(now)
 STARTED=1
-: >>"$LOG/munged.log"
 launch "$LOG/munged.out" munged --socket="$MUNGE_SOCK" --key-file="$ETC/munge.key" \
     --pid-file="$PID_MUNGED" --log-file="$LOG/munged.log" --seed-file="$RUN/munged.seed" \
     --num-threads=4

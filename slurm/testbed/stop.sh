@@ -7,13 +7,25 @@
 set -euo pipefail
 
 STATE_DIR=${1:-${FSDP_BENCH_SLURM_STATE_DIR:-/tmp/fsdp-bench-slurm}}
-if [ ! -d "$STATE_DIR" ]; then
-    exit 0
+if [ -d "$STATE_DIR" ]; then
+    STATE_DIR=$(cd "$STATE_DIR" && pwd -P)
+else
+    STATE_DIR=$(realpath -m -- "$STATE_DIR")
 fi
-STATE_DIR=$(cd "$STATE_DIR" && pwd -P)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
+
+if [ ! -d "$STATE_DIR" ]; then
+    # STATE_DIR was deleted under a running cluster: pid files are gone, but the daemons
+    # still carry the marker naming it.
+    mapfile -t left < <(marker_pids)
+    if [ "${#left[@]}" -gt 0 ]; then
+        log "stop.sh: $STATE_DIR is gone; killing its daemons: ${left[*]}"
+        KILL_GRACE=3 kill_pids "${left[@]}"
+    fi
+    exit 0
+fi
 
 take_lock
 t0=$(now)
