@@ -10,6 +10,6 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-from fsdp_bench.results import load_results  # noqa: E402  (after __version__: the worker reads it)
+from fsdp_bench.results import load_results
 
 __all__ = ["__version__", "load_results"]

@@ -76,7 +76,10 @@ def _sweep(args: argparse.Namespace) -> int:
         print(_describe_expansion(spec, args.results))
         return 0
     options = SweepOptions(
-        results_dir=args.results, rerun=args.rerun, verify=args.verify, progress=not args.no_progress
+        results_dir=args.results,
+        rerun=args.rerun,
+        verify=args.verify,
+        progress=not args.no_progress,
     )
     total = len(expand(spec).runs)
     print(f"sweep {spec.name}: {total} runs -> {results_dir_for(spec, args.results)}")
@@ -99,13 +102,21 @@ def _describe_expansion(spec: object, results: Path | None) -> str:
     keys = axis_keys(spec)
     header = ["run_id", *(k.split(".")[-1] for k in keys), "recorded"]
     rows = [
-        [run.run_id, *(yaml_scalar(get_path(run, k)) for k in keys), "yes" if run.run_id in done else "no"]
+        [
+            run.run_id,
+            *(yaml_scalar(get_path(run, k)) for k in keys),
+            "yes" if run.run_id in done else "no",
+        ]
         for run in expansion.runs
     ]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
+    lines = [
+        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True))
+        for row in [header, *rows]
+    ]
     lines.append(
-        f"{len(expansion.runs)} runs in {len(pack_runs(expansion.runs))} jobs"
+        f"{len(expansion.runs)} runs in "
+        f"{len(pack_runs(expansion.runs, spec.launcher.max_runs_per_job))} jobs"
         f" ({expansion.excluded} excluded, {expansion.collapsed} equal to another run)"
     )
     return "\n".join(lines)

@@ -91,7 +91,8 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class FsdpConfig:
     grouping: str | tuple[str, ...] = "block"
-    """Which modules get their own fully_shard call (the communication boundary)."""
+    """Which modules get their own fully_shard call (the communication boundary). Given as a
+    string or a list of module-name patterns; stored as a string (`modules:a,b` for a list)."""
     reshard_after_forward: bool | int | Literal["default"] = "default"
     """true frees full parameters after forward; false keeps them to backward; an int
     reshards to groups of that many ranks; default is FSDP2's own (true except the root)."""
@@ -132,7 +133,8 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class MeasureConfig:
     warmup_steps: int = 2
-    """Optimizer steps before anything is measured (lazy init, allocator, caches)."""
+    """Untimed optimizer steps before the timed ones (lazy init, allocator, caches); the last
+    one also counts collectives and tracks memory."""
     timed_steps: int = 5
     """Optimizer steps per timed repeat."""
     repeats: int = 3
@@ -179,22 +181,24 @@ class RunConfig:
             raise CombinationError(
                 "processes_per_node",
                 ppn,
-                f"must divide world_size {self.world_size} (nodes = world_size / processes_per_node)",
+                f"must divide world_size {self.world_size} "
+                "(nodes = world_size / processes_per_node)",
             )
         reshard = self.fsdp.reshard_after_forward
-        if isinstance(reshard, int) and not isinstance(reshard, bool):
-            if self.world_size % reshard:
-                raise CombinationError(
-                    "fsdp.reshard_after_forward",
-                    reshard,
-                    f"an int must divide the shard group size (world_size {self.world_size}): "
-                    f"allowed true, false, default or one of {_divisors(self.world_size)}",
-                )
+        if isinstance(reshard, int) and not isinstance(reshard, bool) and self.world_size % reshard:
+            raise CombinationError(
+                "fsdp.reshard_after_forward",
+                reshard,
+                f"an int must divide the shard group size (world_size {self.world_size}): "
+                f"allowed true, false, default or one of {_divisors(self.world_size)}",
+            )
         if not 0 <= self.fault.rank < self.world_size:
-            raise CombinationError("fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}")
+            raise CombinationError(
+                "fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}"
+            )
         if not self.model.is_user_model:
             n_layers = self.model.shape.n_layers
-            k = grouping_block_count(self.fsdp.grouping)
+            k = grouping_block_count(str(self.fsdp.grouping))
             if k is not None and k > n_layers:
                 raise CombinationError(
                     "fsdp.grouping",
@@ -232,13 +236,15 @@ class RunConfig:
         return dataclasses.replace(self, fsdp=plain)
 
 
-def canonical_grouping(value: str | tuple[str, ...] | list[str]) -> str:
+def canonical_grouping(value: object) -> str:
     """Validate a grouping and give its one string form (`modules:` + patterns for lists)."""
     if isinstance(value, (list, tuple)):
-        patterns = [p.strip() for p in value]
+        patterns = [str(p).strip() for p in value]
         if not patterns or not all(patterns) or any("," in p for p in patterns):
             raise bad_value("grouping", list(value), GROUPING_HELP)
         return "modules:" + ",".join(patterns)
+    if not isinstance(value, str):
+        raise bad_value("grouping", value, GROUPING_HELP)
     if value in ("root", "block", "linear"):
         return value
     if value.startswith("modules:") and all(value[len("modules:") :].split(",")):
@@ -269,13 +275,16 @@ class LauncherConfig:
     """Wall time one run may take before its job is stopped and the run recorded `timeout`."""
     timeout_min: float = 600.0
     """Wall time of one job (several runs share a job)."""
+    max_runs_per_job: int | None = None
+    """Runs of one shape packed into one job; None packs them all (start-up paid once)."""
 
     def __post_init__(self) -> None:
         for key in ("collective_timeout_s", "run_timeout_s", "timeout_min"):
             if not getattr(self, key) > 0:
                 raise bad_value(key, getattr(self, key), "expected a number > 0")
-        if self.cpu_threads_per_rank is not None:
-            _at_least(self, "cpu_threads_per_rank", 1)
+        for key in ("cpu_threads_per_rank", "max_runs_per_job"):
+            if getattr(self, key) is not None:
+                _at_least(self, key, 1)
 
 
 def _at_least(obj: object, key: str, minimum: int) -> None:

@@ -86,7 +86,11 @@ def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TC
     timeout = timedelta(seconds=timeout_s)
     if info.rank == 0:
         store = dist.TCPStore(
-            info.master_addr, 0, info.world_size, is_master=True, timeout=timeout,
+            info.master_addr,
+            0,
+            info.world_size,
+            is_master=True,
+            timeout=timeout,
             wait_for_workers=False,
         )
         token = secrets.token_hex(8)
@@ -96,9 +100,9 @@ def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TC
         return store
     deadline = time.monotonic() + timeout_s
     while True:
-        store = _try_connect(address_file, info, timeout)
-        if store is not None:
-            return store
+        connected = _try_connect(address_file, info, timeout)
+        if connected is not None:
+            return connected
         if time.monotonic() > deadline:
             raise TimeoutError(f"rendezvous: rank 0 did not publish {address_file} in {timeout_s}s")
         time.sleep(0.05)
@@ -112,7 +116,10 @@ def _try_connect(address_file: Path, info: RankInfo, timeout: timedelta) -> dist
         return None
     try:
         store = dist.TCPStore(
-            address["host"], address["port"], info.world_size, is_master=False,
+            address["host"],
+            address["port"],
+            info.world_size,
+            is_master=False,
             timeout=timedelta(seconds=10),
         )
         if store.get("fsdp_bench_token").decode() != address["token"]:

@@ -62,7 +62,7 @@ def parallelize(
     model = bundle.module
     match run.strategy:
         case "fsdp":
-            plan = plan_groups(bundle, run.fsdp.grouping)
+            plan = plan_groups(bundle, str(run.fsdp.grouping))
             _measure_groups(plan, model, run.fsdp, mesh.size())
             _shard(plan, model, run.fsdp, mesh, device)
             model.to_empty(device=device)
@@ -101,7 +101,7 @@ def plan_groups(bundle: ModelBundle, grouping: str) -> ShardPlan:
         raise ConfigError(f"fsdp.grouping: {grouping!r} is not supported")
     units = _merge_tied(model, units)
     groups = [Group(names=[names[id(m)] for m in unit], modules=unit) for unit in units]
-    return ShardPlan(groups + [_root_group(model)])
+    return ShardPlan([*groups, _root_group(model)])
 
 
 def _root_group(model: nn.Module) -> Group:
@@ -144,7 +144,7 @@ def _merge_tied(model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.
         merged += [m for m in modules if _owner(units, names, m) is None]
         keep = [u for i, u in enumerate(units) if i not in owners]
         at = inner[0] if inner else len(keep)
-        units = keep[:at] + [merged] + keep[at:]
+        units = [*keep[:at], merged, *keep[at:]]
     return units
 
 
@@ -155,9 +155,9 @@ def _owner(units: list[list[nn.Module]], names: dict[int, str], module: nn.Modul
     for index, unit in enumerate(units):
         for top in unit:
             prefix = names[id(top)]
-            if name == prefix or name.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (index, len(prefix))
+            inside = name == prefix or name.startswith(prefix + ".")
+            if inside and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
     return None if best is None else best[0]
 
 
@@ -194,20 +194,26 @@ def _shard(
         if cfg.mixed_precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-    options = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    )
     depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
     inner = plan.groups[:-1]
     for group in sorted(inner, key=lambda g: -max(depth[id(m)] for m in g.modules)):
-        fully_shard(group.modules if len(group.modules) > 1 else group.modules[0], **options)
-    fully_shard(model, **options)
+        target = group.modules if len(group.modules) > 1 else group.modules[0]
+        fully_shard(
+            target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+    )
     if cfg.prefetch != "implicit":
         _wire_prefetch([g.modules[0] for g in inner], cfg.prefetch)
 
 
 def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
     """Explicit prefetch: each group issues the all-gathers of the next `depth` groups."""
-    fsdp_modules = [m for m in ordered if isinstance(m, FSDPModule)]
+    fsdp_modules: list[FSDPModule] = [m for m in ordered if isinstance(m, FSDPModule)]
     for i, module in enumerate(fsdp_modules):
         following = fsdp_modules[i + 1 : i + 1 + depth]
         preceding = fsdp_modules[max(0, i - depth) : i][::-1]

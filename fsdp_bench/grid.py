@@ -63,7 +63,7 @@ def load_grid(path: str | Path) -> SweepSpec:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read grid file ({err.strerror})") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(err)}") from None
     return parse_grid(data, source=str(path))
@@ -117,10 +117,14 @@ def _parse(data: object, source: str) -> SweepSpec:
     )
 
 
-def _parse_axes(raw: object, where_axes: str, base: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+def _parse_axes(
+    raw: object, where_axes: str, base: Mapping[str, Any]
+) -> dict[str, tuple[Any, ...]]:
     if not isinstance(raw, Mapping):
         raise bad_value(
-            where_axes, raw, "expected a mapping of dotted keys to lists of values (or a list of them)"
+            where_axes,
+            raw,
+            "expected a mapping of dotted keys to lists of values (or a list of them)",
         )
     axes: dict[str, tuple[Any, ...]] = {}
     for key, values in raw.items():
@@ -212,7 +216,7 @@ def expand(spec: SweepSpec) -> Expansion:
     for product in spec.axes or ({},):
         keys = list(product)
         for values in itertools.product(*(product[k] for k in keys)):
-            point = dict(zip(keys, values))
+            point = dict(zip(keys, values, strict=True))
             if any(_matches(rule, point, base_run) for rule in spec.exclude):
                 excluded += 1
                 continue
@@ -262,7 +266,7 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} appears twice", key_node.start_mark
@@ -273,5 +277,5 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[
 
 _StrictLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
+    _construct_mapping,
 )

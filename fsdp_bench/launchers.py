@@ -6,6 +6,7 @@ Local and cluster execution differ here and nowhere else: the driver in `sweep.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass
@@ -46,10 +47,8 @@ class LocalJob:
 
     def cancel(self) -> None:
         """SIGINT to the controller: it interrupts, then kills, every task."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(self.job_id), signal.SIGINT)
-        except ProcessLookupError:
-            pass
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         return _tail(self.folder / f"{self.job_id}_{rank}_log.err", lines)

@@ -185,7 +185,7 @@ def load_user_model_function(name: str) -> Callable[..., ModelBundle]:
     function = getattr(module, attr, None)
     if not callable(function):
         raise ConfigError(f"model.name: {module_name!r} has no function {attr!r}")
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 def _call_user_model(config: ModelConfig) -> ModelBundle:

@@ -10,6 +10,7 @@ last bit moves a parameter by 2*lr (measured: 5e-5 after one step); SGD shows th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,10 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     ]
     forward_backward(reference, global_batches, "every")()  # type: ignore[arg-type]
 
-    grads = {_plain_name(n): _full(p.grad) for n, p in model.named_parameters()}
+    grads = {
+        _plain_name(n): None if p.grad is None else _full(p.grad)
+        for n, p in model.named_parameters()
+    }
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     grad_ok, grad_diff, grad_detail = _compare(grads, ref_grads, run.fsdp.mixed_precision)
 
@@ -68,7 +72,7 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     params = {_plain_name(n): _full(p) for n, p in model.named_parameters()}
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
     if run.fsdp.mixed_precision == "bf16":  # compare the updates, which carry the bf16 error
-        params = {n: p - start[n] for n, p in params.items()}  # type: ignore[operator]
+        params = {n: p - start[n] for n, p in params.items()}
         ref_params = {n: p - start[n] for n, p in ref_params.items()}
     param_ok, param_diff, param_detail = _compare(params, ref_params, run.fsdp.mixed_precision)
     return ParityReport(
@@ -85,8 +89,8 @@ def _sgd_step(model: nn.Module, lr: float) -> None:
 
 
 def _compare(
-    got: dict[str, torch.Tensor | None],
-    want: dict[str, torch.Tensor | None],
+    got: Mapping[str, torch.Tensor | None],
+    want: Mapping[str, torch.Tensor | None],
     precision: str,
 ) -> tuple[bool, float, str]:
     """(all within tolerance, max abs difference, first failing parameter)."""
@@ -115,9 +119,8 @@ def _compare(
     return not failures, worst, failures[0] if failures else ""
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    if tensor is None:
-        return None
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a sharded DTensor is all-gathered)."""
     if isinstance(tensor, DTensor):
         return tensor.full_tensor().detach()
     return tensor.detach()

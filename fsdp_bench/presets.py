@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +70,8 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {
     # CPU-sized shapes for tests and the quickstart: seconds per run on one core.
-    "tiny": ModelShape(
-        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=1024
-    ),
-    "small": ModelShape(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=704, vocab_size=1024
-    ),
+    "tiny": ModelShape(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=1024),
+    "small": ModelShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=704, vocab_size=1024),
     # Real shapes (Meta's Llama 3 / 3.1 / 3.2 configurations).
     "llama3-1b": ModelShape(
         dim=2048,
@@ -118,5 +115,5 @@ SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab
 def resolve_shape(name: str, **overrides: int | bool | None) -> ModelShape:
     """A preset with the given fields replaced (None means keep the preset's value)."""
     shape = PRESETS[name]
-    changes = {k: v for k, v in overrides.items() if v is not None}
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(shape, **changes) if changes else shape

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -33,6 +34,7 @@ METRIC_COLUMNS = [
     "peak_memory_gib",
     "all_gathers_per_step",
     "reduce_scatters_per_step",
+    "all_reduces_per_step",
     "parity_ok",
     "status",
 ]
@@ -40,9 +42,7 @@ METRIC_COLUMNS = [
 
 def varying_axes(df: pd.DataFrame) -> list[str]:
     """The configuration columns that take more than one value in `df`."""
-    return [
-        c for c in AXIS_COLUMNS if c in df and df[c].astype(str).nunique(dropna=False) > 1
-    ]
+    return [c for c in AXIS_COLUMNS if c in df and df[c].astype(str).nunique(dropna=False) > 1]
 
 
 def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
@@ -62,14 +62,15 @@ def format_ranking(table: pd.DataFrame) -> str:
     """A terminal table: integers with separators, GiB to 3 decimals, spread in percent."""
     if table.empty:
         return "(no runs)"
-    formatters = {
-        "tokens_per_s": lambda v: "-" if pd.isna(v) else f"{v:,.0f}",
-        "step_time_s": lambda v: "-" if pd.isna(v) else f"{v:.4f}",
-        "step_time_spread_pct": lambda v: "-" if pd.isna(v) else f"{v:.1f}%",
+    formatters: dict[str, Callable[[Any], str]] = {
+        "tokens_per_s": _number("{:,.0f}"),
+        "step_time_s": _number("{:.4f}"),
+        "step_time_spread_pct": _number("{:.1f}%"),
         "mfu": lambda v: "-" if pd.isna(v) else f"{100 * v:.1f}%",
-        "peak_memory_gib": lambda v: "-" if pd.isna(v) else f"{v:.3f}",
-        "all_gathers_per_step": _count,
-        "reduce_scatters_per_step": _count,
+        "peak_memory_gib": _number("{:.3f}"),
+        "all_gathers_per_step": _number("{:.0f}"),
+        "reduce_scatters_per_step": _number("{:.0f}"),
+        "all_reduces_per_step": _number("{:.0f}"),
     }
     headers = {
         "tokens_per_s": "tokens/s",
@@ -78,6 +79,7 @@ def format_ranking(table: pd.DataFrame) -> str:
         "peak_memory_gib": "peak GiB",
         "all_gathers_per_step": "AG/step",
         "reduce_scatters_per_step": "RS/step",
+        "all_reduces_per_step": "AR/step",
         "reshard_after_forward": "reshard",
         "accumulation_steps": "accum",
         "activation_checkpointing": "AC",
@@ -92,5 +94,5 @@ def format_ranking(table: pd.DataFrame) -> str:
     return shown.to_string(index=False)
 
 
-def _count(value: object) -> str:
-    return "-" if pd.isna(value) else str(int(value))  # type: ignore[call-overload]
+def _number(pattern: str) -> Callable[[Any], str]:
+    return lambda v: "-" if pd.isna(v) else pattern.format(v)

@@ -65,6 +65,9 @@ class RunResult:
     reduce_scatter_bytes_per_step: int | None = None
     all_reduces_per_step: int | None = None
     all_reduce_bytes_per_step: int | None = None
+    all_gathers_before_compute: int | None = None
+    """All-gathers issued before the first matmul of a step: 2 for block grouping with
+    implicit prefetch (root, first block); explicit prefetch of depth d adds d."""
     largest_group_bytes: int | None = None
     num_groups: int | None = None
     num_params: int | None = None
@@ -74,8 +77,12 @@ class RunResult:
     parity_param_max_abs_diff: float | None = None
     # Provenance
     setup_s: float | None = None
-    """Build, shard, materialise and warm up: wall time before the timed steps."""
+    """Build, shard and materialise the model, create the optimizer (slowest rank)."""
+    warmup_s: float | None = None
+    timed_s: float | None = None
+    """Wall time of all timed steps (repeats x timed_steps)."""
     wall_s: float | None = None
+    """The whole run on rank 0, measurement steps and gathering included."""
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -142,9 +149,10 @@ _CONFIG_COLUMN = {"model.name": "model", "fault.kind": "fault", "fault.rank": "f
 
 
 def result_row(result: RunResult) -> dict[str, Any]:
-    """One flat row: run_id, status, the config's leaves, metrics, provenance (prefixed)."""
+    """One flat row: run_id, status, the config's leaves, metrics, provenance."""
     row: dict[str, Any] = {"run_id": result.run_id, "status": result.status}
     row.update(_flatten_config(result.config))
+    row["nodes"] = row["world_size"] // (row.get("processes_per_node") or row["world_size"])
     for f in dataclasses.fields(result):
         if f.name in ("run_id", "status", "config", "provenance"):
             continue
@@ -166,11 +174,22 @@ def _flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_results(root: str | Path) -> pd.DataFrame:
-    """Every recorded run of a results folder as a DataFrame, one row per run."""
+    """Every recorded run of a results folder as a DataFrame, one row per run.
+
+    Columns: run_id, status, the configuration (world_size, grouping, ...), the metrics of
+    `RunResult` and provenance (hostnames, torch_version, ...). A folder without runs gives an
+    empty table with the configuration and metric columns.
+    """
     import pandas as pd
 
     store = ResultStore(root)
     if not store.root.exists():
         raise FileNotFoundError(f"no results folder at {store.root}")
     rows = [result_row(r) for r in store.results()]
+    if not rows:
+        from fsdp_bench.config import RunConfig
+        from fsdp_bench.schema import to_plain
+
+        template = result_row(RunResult(run_id="", status="ok", config=to_plain(RunConfig())))
+        return pd.DataFrame(columns=list(template))
     return pd.DataFrame(rows)

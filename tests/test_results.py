@@ -1,0 +1,75 @@
+"""The results store: atomic one-file-per-run records, read back as a DataFrame."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_bench import load_results
+from fsdp_bench.config import FsdpConfig, RunConfig
+from fsdp_bench.results import ResultStore, RunResult, write_atomic
+from fsdp_bench.schema import to_plain
+
+CONTRACT = [
+    "run_id",
+    "status",
+    "world_size",
+    "grouping",
+    "reshard_after_forward",
+    "prefetch",
+    "accumulation_steps",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_memory_gib",
+    "all_gathers_per_step",
+    "reduce_scatters_per_step",
+    "all_gather_bytes_per_step",
+    "largest_group_bytes",
+]
+
+
+def result(run: RunConfig, **fields: object) -> RunResult:
+    return RunResult(run_id=run.run_id, config=to_plain(run), **fields)  # type: ignore[arg-type]
+
+
+def test_records_round_trip_into_a_dataframe(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    ok_run = RunConfig(world_size=2, fsdp=FsdpConfig(grouping="linear", reshard_after_forward=2))
+    bad_run = RunConfig(world_size=2)
+    store.record(result(ok_run, status="ok", tokens_per_s=1234.5, step_times_s=[0.1, 0.2]))
+    store.record(result(bad_run, status="oom", reason="rank 1: out of memory"))
+    df = load_results(tmp_path)
+    assert set(CONTRACT) <= set(df.columns)
+    assert len(df) == 2 and set(df.status) == {"ok", "oom"}
+    row = df.set_index("run_id").loc[ok_run.run_id]
+    assert row.grouping == "linear" and row.reshard_after_forward == 2 and row.nodes == 1
+    assert row.tokens_per_s == 1234.5 and row.step_times_s == [0.1, 0.2]
+    assert store.done_ids() == {ok_run.run_id, bad_run.run_id}
+
+
+def test_empty_folder_gives_the_contract_columns(tmp_path: Path) -> None:
+    df = load_results(tmp_path)
+    assert df.empty and set(CONTRACT) <= set(df.columns)
+    with pytest.raises(FileNotFoundError):
+        load_results(tmp_path / "missing")
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path: Path) -> None:
+    target = tmp_path / "runs" / "x.json"
+    write_atomic(target, json.dumps({"a": 1}))
+
+    with pytest.raises(TypeError):
+        write_atomic(target, 5)  # type: ignore[arg-type]
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["x.json"]
+
+
+def test_unknown_fields_from_newer_versions_are_ignored(tmp_path: Path) -> None:
+    run = RunConfig()
+    data = json.loads(result(run, status="ok").to_json())
+    data["added_in_a_later_version"] = 1
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / f"{run.run_id}.json").write_text(json.dumps(data))
+    assert load_results(tmp_path).run_id.tolist() == [run.run_id]
