@@ -7,6 +7,8 @@ from typing import Any
 
 import pandas as pd
 
+from fsdp_bench.errors import yaml_scalar
+
 # Configuration columns in the order people read them; only those that vary are shown.
 AXIS_COLUMNS = [
     "model",
@@ -26,6 +28,7 @@ AXIS_COLUMNS = [
     "optimizer",
     "fault",
 ]
+FSDP_ONLY_COLUMNS = ["grouping", "reshard_after_forward", "prefetch", "cpu_offload"]
 METRIC_COLUMNS = [
     "tokens_per_s",
     "step_time_s",
@@ -84,9 +87,16 @@ def format_ranking(table: pd.DataFrame) -> str:
         "accumulation_steps": "accum",
         "activation_checkpointing": "AC",
         "mixed_precision": "precision",
+        "cpu_offload": "offload",
         "micro_batch_size": "micro-batch",
     }
     shown = table.copy()
+    for column in AXIS_COLUMNS:
+        if column in shown:
+            shown[column] = shown[column].map(yaml_scalar)
+    if "strategy" in shown:  # DDP has no groups to shard, reshard or prefetch
+        fsdp_only = [c for c in FSDP_ONLY_COLUMNS if c in shown]
+        shown.loc[shown["strategy"] == "ddp", fsdp_only] = "-"
     for column, fmt in formatters.items():
         if column in shown:
             shown[column] = shown[column].map(fmt)

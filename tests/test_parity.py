@@ -94,4 +94,6 @@ def test_the_check_can_fail() -> None:
     ok, diff, detail = _compare({"w": bad}, want, "fp32")
     assert not ok and diff == pytest.approx(1e-4, rel=1e-2) and detail.startswith("w: max abs diff")
     ok, _, detail = _compare({"w": torch.ones(4, 4) * 1.1}, want, "bf16")
-    assert not ok and "relative error" in detail
+    assert not ok and "relative L2 error 1.00e-01" in detail
+    ok, _, _ = _compare({"w": torch.ones(4, 4) * 1.01}, want, "bf16")
+    assert ok

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_end_to_end(tmp_path: Path) -> None:
     results = tmp_path / "quickstart"
-    command = ["fsdp-bench", "sweep", "sweeps/quickstart.yaml", "--results", str(results)]
+    console_script = Path(sys.executable).parent / "fsdp-bench"  # what pip installed
+    command = [str(console_script), "sweep", "sweeps/quickstart.yaml", "--results", str(results)]
     first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     assert "33/33" in first.stderr, "the progress bar reached the end"

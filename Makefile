@@ -1,0 +1,36 @@
+# Everything runs from a virtual environment in .venv, created on first use.
+# torch is pinned first so pip takes the CPU build from local disk instead of a CUDA download.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install quickstart test lint benchmarks clean
+
+$(BIN)/fsdp-bench: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(BIN)/fsdp-bench
+
+# Command 1 of the README: install, then run the built-in sweep on this machine's CPU.
+quickstart: install
+	$(BIN)/fsdp-bench sweep
+
+lint: install
+	$(BIN)/ruff check fsdp_bench tests benchmarks
+	$(BIN)/ruff format --check fsdp_bench tests benchmarks
+	$(BIN)/mypy
+
+# Command 2 of the README: install everything, lint, type-check, run every test.
+test: lint
+	$(BIN)/python -m pytest
+
+benchmarks: install
+	$(BIN)/python benchmarks/harness_overhead.py
+	$(BIN)/python benchmarks/orchestration_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
