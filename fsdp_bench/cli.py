@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--results", type=Path, help="results folder (default: results/<grid name>)")
     sweep.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    sweep.add_argument(
+        "--status",
+        action="store_true",
+        help="where every run is (recorded, running, queued, not submitted) and why",
+    )
     sweep.add_argument("--rerun", action="store_true", help="run recorded runs again")
     sweep.add_argument(
         "--verify",
@@ -75,6 +80,9 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_describe_expansion(spec, args.results))
         return 0
+    if args.status:
+        print(_describe_status(spec, args.results))
+        return 0
     options = SweepOptions(
         results_dir=args.results,
         rerun=args.rerun,
@@ -91,10 +99,11 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _describe_expansion(spec: object, results: Path | None) -> str:
+    from fsdp_bench.driver import pack_runs
     from fsdp_bench.errors import yaml_scalar
     from fsdp_bench.grid import SweepSpec, axis_keys, expand, get_path
     from fsdp_bench.results import ResultStore
-    from fsdp_bench.sweep import pack_runs, results_dir_for
+    from fsdp_bench.sweep import results_dir_for
 
     assert isinstance(spec, SweepSpec)
     expansion = expand(spec)
@@ -116,9 +125,26 @@ def _describe_expansion(spec: object, results: Path | None) -> str:
     ]
     lines.append(
         f"{len(expansion.runs)} runs in "
-        f"{len(pack_runs(expansion.runs, spec.launcher.max_runs_per_job))} jobs"
+        f"{len(pack_runs(expansion.runs, spec.launcher))} jobs"
         f" ({expansion.excluded} excluded, {expansion.collapsed} equal to another run)"
     )
+    return "\n".join(lines)
+
+
+def _describe_status(spec: object, results: Path | None) -> str:
+    from collections import Counter
+
+    from fsdp_bench.grid import SweepSpec
+    from fsdp_bench.sweep import sweep_status
+
+    assert isinstance(spec, SweepSpec)
+    states = sweep_status(spec, results)
+    rows = [["run_id", "state", "job", "detail"]]
+    rows += [[s.run_id, s.state, s.job_id or "-", s.detail] for s in states]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]).rstrip() for r in rows]
+    counts = Counter(s.state for s in states)
+    lines.append(", ".join(f"{n} {state}" for state, n in counts.most_common()))
     return "\n".join(lines)
 
 

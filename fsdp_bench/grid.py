@@ -10,6 +10,7 @@ valid `RunConfig`s or fails with one line naming the key, the value and what is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import re
 from collections.abc import Mapping
@@ -58,15 +59,18 @@ _TOP_KEYS = ("name", "description", "base", "axes", "exclude", "launcher")
 def load_grid(path: str | Path) -> SweepSpec:
     """Read and validate a grid file completely."""
     path = Path(path)
+    return parse_grid(_load_yaml(path), source=str(path))
+
+
+def _load_yaml(path: Path) -> Any:
     try:
         text = path.read_text()
     except OSError as err:
-        raise ConfigError(f"{path}: cannot read grid file ({err.strerror})") from None
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(err)}") from None
-    return parse_grid(data, source=str(path))
 
 
 def parse_grid(data: object, *, source: str = "<grid>") -> SweepSpec:
@@ -102,10 +106,7 @@ def _parse(data: object, source: str) -> SweepSpec:
     else:
         axes = (_parse_axes(raw_axes, "axes", base),)
     exclude = _parse_exclude(data.get("exclude") or [])
-    try:
-        launcher = build(LauncherConfig, data.get("launcher") or {})
-    except FieldError as err:
-        raise err.under("launcher") from None
+    launcher = _parse_launcher(data.get("launcher") or {}, source)
     return SweepSpec(
         name=name,
         description=description,
@@ -114,6 +115,46 @@ def _parse(data: object, source: str) -> SweepSpec:
         exclude=exclude,
         launcher=launcher,
         source=source,
+    )
+
+
+def _parse_launcher(raw: object, source: str) -> LauncherConfig:
+    """The launcher section, on top of its cluster profile when it names one."""
+    if not isinstance(raw, Mapping):
+        raise bad_value("launcher", raw, "expected a mapping of launcher settings")
+    settings = dict(raw)
+    name = settings.get("cluster")
+    if name is not None:
+        path = find_cluster_profile(str(name), Path(source).parent)
+        profile = _load_yaml(path)
+        if not isinstance(profile, Mapping):
+            raise ConfigError(f"{path}: a cluster profile is a mapping of launcher settings")
+        try:
+            build(LauncherConfig, {"kind": "slurm", **profile})
+        except FieldError as err:
+            raise err.located(str(path)) from None
+        settings = {"kind": "slurm", **profile, **settings}
+    try:
+        return build(LauncherConfig, settings)
+    except FieldError as err:
+        raise err.under("launcher") from None
+
+
+def find_cluster_profile(name: str, grid_dir: Path) -> Path:
+    """slurm/clusters/<name>.yaml under the working directory or the grid's project; or a path."""
+    if name.endswith((".yaml", ".yml")) or "/" in name:
+        candidates = [grid_dir / name]
+    else:
+        relative = Path("slurm", "clusters", f"{name}.yaml")
+        candidates = [Path.cwd() / relative, grid_dir.parent / relative, grid_dir / relative]
+    for path in candidates:
+        if path.is_file():
+            return path
+    folders = {c.parent for c in candidates if c.parent.is_dir()}
+    known = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
+    raise ConfigError(
+        f"launcher.cluster: no profile {name!r} (looked for {', '.join(map(str, candidates))}); "
+        f"available: {', '.join(known) or 'none'}"
     )
 
 
@@ -221,7 +262,7 @@ def expand(spec: SweepSpec) -> Expansion:
                 excluded += 1
                 continue
             points += 1
-            run = _build_point(spec, point).canonical()
+            run = _place(_build_point(spec, point), spec, point).canonical()
             runs.setdefault(run.run_id, run)
     return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
 
@@ -246,6 +287,23 @@ def _build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
         label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
         err.allowed += " (or leave this combination out with an exclude: entry)"
         raise err.located(f"{spec.source}: run {label}") from None
+
+
+def _place(run: RunConfig, spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
+    """Fill in processes_per_node from the launcher (a cluster's GPUs per node) when the run
+    did not choose: it decides the nodes, so it is part of what the run is."""
+    per_node = spec.launcher.ranks_per_node(run.world_size)
+    if run.processes_per_node is not None or per_node is None:
+        return run
+    if run.world_size % per_node:
+        label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
+        raise CombinationError(
+            "world_size",
+            run.world_size,
+            f"a multiple of the cluster's {per_node} processes per node "
+            "(launcher.processes_per_node / gpus_per_node)",
+        ).located(f"{spec.source}: run {label}")
+    return dataclasses.replace(run, processes_per_node=per_node)
 
 
 def get_path(obj: Any, dotted: str) -> Any:

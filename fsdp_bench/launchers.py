@@ -1,7 +1,7 @@
-"""Executors that start jobs (every rank runs `worker.run_job`) and let the driver follow them.
+"""Executors that start jobs (every rank runs `worker.run_job`) and report their states.
 
-Local and cluster execution differ here and nowhere else: the driver in `sweep.py` submits
-`JobSpec`s and watches `SubmittedJob`s without knowing where they run.
+Local and cluster execution differ here and in `slurm.py`, nowhere else: the driver in
+`sweep.py` submits `JobSpec`s and polls `SubmittedJob`s without knowing where they run.
 """
 
 from __future__ import annotations
@@ -23,12 +23,41 @@ from fsdp_bench.worker import JobSpec, run_job
 class SubmittedJob(Protocol):
     job_id: str
 
-    def alive(self) -> bool:
-        """Still queued or running."""
-
     def cancel(self) -> None: ...
 
     def log_tail(self, rank: int, lines: int = 20) -> str: ...
+
+
+class Launcher(Protocol):
+    kind: str
+    max_jobs_in_flight: int
+
+    @property
+    def max_array_size(self) -> int:
+        """Most jobs one submission may hold (a job array)."""
+
+    def check(self, world_size: int, nodes: int) -> None:
+        """Reject a shape this launcher cannot run, before anything is submitted."""
+
+    def submit(self, specs: list[JobSpec]) -> list[Any]:
+        """Submit jobs of one shape (one job array where the launcher has them)."""
+
+    def reattach(self, job_id: str) -> Any:
+        """A handle on a job submitted by an earlier driver."""
+
+    def poll(self, jobs: list[Any]) -> dict[str, str]:
+        """State of each job: alive ones in ALIVE_STATES, ended ones their final state."""
+
+
+# Job states in which a job still holds or waits for resources: squeue's, and RUNNING for
+# local jobs (which end as ENDED).
+ALIVE_STATES = frozenset(
+    {
+        "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING",
+        "CONFIGURING", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED",
+        "RESV_DEL_HOLD",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -51,24 +80,24 @@ class LocalJob:
             os.kill(int(self.job_id), signal.SIGINT)
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
-        return _tail(self.folder / f"{self.job_id}_{rank}_log.err", lines)
+        return tail(self.folder / f"{self.job_id}_{rank}_log.err", lines)
 
 
 class LocalLauncher:
     """Runs each job on this machine with one process per rank (CPU + gloo, or GPUs + NCCL).
 
-    One job at a time: jobs timed side by side on one machine would measure each other.
+    One job at a time by default: jobs timed side by side on one machine measure each other.
     """
 
     kind = "local"
-    max_jobs_in_flight = 1
+    max_array_size = 1
 
     def __init__(self, config: LauncherConfig, jobs_dir: Path) -> None:
         self.config = config
         self.folder = (jobs_dir / "submitit").absolute()
+        self.max_jobs_in_flight = config.jobs_in_flight
 
     def check(self, world_size: int, nodes: int) -> None:
-        """Reject what this machine cannot run, before anything is submitted."""
         if nodes != 1:
             raise ConfigError(
                 f"processes_per_node: a run of {world_size} processes over {nodes} nodes needs "
@@ -84,7 +113,10 @@ class LocalLauncher:
                     "(one rank per GPU)"
                 )
 
-    def submit(self, spec: JobSpec) -> LocalJob:
+    def submit(self, specs: list[JobSpec]) -> list[LocalJob]:
+        return [self._submit_one(spec) for spec in specs]
+
+    def _submit_one(self, spec: JobSpec) -> LocalJob:
         world_size = spec.runs[0].world_size
         executor = submitit.LocalExecutor(folder=self.folder)
         executor.update_parameters(
@@ -99,6 +131,9 @@ class LocalLauncher:
     def reattach(self, job_id: str) -> LocalJob:
         return LocalJob(job_id=job_id, folder=self.folder)
 
+    def poll(self, jobs: list[LocalJob]) -> dict[str, str]:
+        return {job.job_id: "RUNNING" if job.alive() else "ENDED" for job in jobs}
+
     def _uses_cuda(self) -> bool:
         if self.config.device == "cuda":
             return True
@@ -109,10 +144,14 @@ class LocalLauncher:
         return torch.cuda.is_available()
 
 
-def make_launcher(config: LauncherConfig, jobs_dir: Path) -> LocalLauncher:
+def make_launcher(config: LauncherConfig, jobs_dir: Path) -> Launcher:
     match config.kind:
         case "local":
             return LocalLauncher(config, jobs_dir)
+        case "slurm":
+            from fsdp_bench.slurm import SlurmLauncher
+
+            return SlurmLauncher(config, jobs_dir)
         case _:
             raise ConfigError(f"launcher.kind: {config.kind!r} is not supported")
 
@@ -126,7 +165,8 @@ def _controller_running(pid: int, folder: Path) -> bool:
     return b"submitit.local._local" in cmdline and str(folder).encode() in cmdline
 
 
-def _tail(path: Path, lines: int) -> str:
+def tail(path: Path, lines: int) -> str:
+    """The last lines of a log file ('' when it does not exist)."""
     try:
         with path.open("rb") as handle:
             handle.seek(0, os.SEEK_END)

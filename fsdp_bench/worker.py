@@ -96,8 +96,10 @@ class JobContext:
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
+        """(world,) for FSDP; (replicas, shard group) for HSDP. Made once per job and shape."""
         if shape not in self.meshes:
-            self.meshes[shape] = init_device_mesh(self.device.type, shape)
+            names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+            self.meshes[shape] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self.meshes[shape]
 
 
@@ -144,7 +146,7 @@ def run_job(job: JobSpec) -> list[str]:
 def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     """Build, shard, warm up, profile one step (collectives, memory), time. Every rank."""
     device, rank = context.device, context.info.rank
-    mesh = context.mesh((run.world_size,))
+    mesh = context.mesh(run.mesh_shape)
     parity = None
     if context.verify:
         parity = asdict(check_parity(run, mesh, device, rank))
@@ -304,6 +306,7 @@ def provenance(context: JobContext, ranks: list[RankOutcome], started_at: str) -
         "fsdp_bench_version": __version__,
         "python_version": platform.python_version(),
         "job_id": context.info.job_id,
+        "attempt": context.info.attempt,
         "started_at": started_at,
         "finished_at": _now(),
     }

@@ -198,7 +198,7 @@ def test_run_id_is_the_same_in_another_process() -> None:
             grid(axes={"world_size": [2, 3], "fsdp.reshard_after_forward": [2]}),
             "grid.yaml: run {world_size: 3, fsdp.reshard_after_forward: 2}: "
             "fsdp.reshard_after_forward: 2 is not allowed; an int must divide the shard group "
-            "size (world_size 3): allowed true, false, default or one of 1, 3",
+            "size (3 ranks): allowed true, false, default or one of 1, 3",
         ),
         (
             grid(base={"train": {"accumulation_steps": 0}}),
@@ -260,7 +260,7 @@ def test_yaml_problems_are_one_line_errors(tmp_path: Path) -> None:
     path.write_text("name: a\nbase: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_grid(path)
-    with pytest.raises(ConfigError, match="cannot read grid file"):
+    with pytest.raises(ConfigError, match="cannot read"):
         load_grid(tmp_path / "missing.yaml")
 
 
