@@ -109,10 +109,7 @@ def run_job(job: JobSpec) -> list[str]:
     info = rank_info()
     device = pick_device(job.device, info.local_rank)
     if device.type == "cpu":
-        ranks_here = info.world_size // info.num_nodes
-        torch.set_num_threads(
-            job.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here)
-        )
+        torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
     store = ResultStore(job.results_dir)
     init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
     # What exists now lives for the whole job; later collections only scan what runs create,
@@ -141,6 +138,14 @@ def run_job(job: JobSpec) -> list[str]:
         _release(device)
     barrier_and_destroy()
     return recorded
+
+
+def _cpus_for_rank(info: RankInfo) -> int:
+    """What Slurm gave this task, else this machine's cores shared by the ranks on it."""
+    allotted = os.environ.get("SLURM_CPUS_PER_TASK")
+    if allotted:
+        return int(allotted)
+    return max(1, (os.cpu_count() or 1) // (info.world_size // info.num_nodes))
 
 
 def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
