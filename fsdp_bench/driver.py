@@ -97,7 +97,8 @@ class Driver:
                 self._collect(item.runs)
                 state = states.get(item.job.job_id, "UNKNOWN")
                 if state in ALIVE_STATES:
-                    self._watchdog(item)
+                    if state == "RUNNING":
+                        self._watchdog(item)
                     continue
                 if state == "UNKNOWN" and not self._waited_enough(item):
                     continue
@@ -172,7 +173,8 @@ class Driver:
             limit = self.spec.launcher.run_timeout_s
             if now - started.stat().st_mtime > limit:
                 item.cancel_reason = f"run exceeded launcher.run_timeout_s ({limit:g} s)"
-            notes = list(inflight.glob("rank*.json"))
+            failed = [n for n in _read_notes(inflight) if n["class"] in ("oom", "error", "timeout")]
+            notes = [inflight / f"rank{n['rank']}.json" for n in failed]
             if notes and now - max(n.stat().st_mtime for n in notes) > FAILURE_GRACE_S:
                 item.cancel_reason = "ranks that did not fail were stuck after a rank failed"
             if item.cancel_reason:
@@ -282,12 +284,19 @@ def classify_failure(
 
 
 def _read_notes(inflight: Path) -> list[dict[str, Any]]:
+    """The ranks' failure notes of the run's latest attempt (a requeued job starts over)."""
+    try:
+        attempt = json.loads((inflight / "started.json").read_text())["attempt"]
+    except (OSError, ValueError, KeyError):
+        attempt = None
     notes = []
     for path in inflight.glob("rank*.json"):
         try:
-            notes.append(json.loads(path.read_text()))
+            note = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if attempt is None or note.get("attempt") == attempt:
+            notes.append(note)
     return notes
 
 

@@ -131,8 +131,8 @@ def _parse_launcher(raw: object, source: str) -> LauncherConfig:
             raise ConfigError(f"{path}: a cluster profile is a mapping of launcher settings")
         try:
             build(LauncherConfig, {"kind": "slurm", **profile})
-        except FieldError as err:
-            raise err.located(str(path)) from None
+        except FieldError as err:  # reported against the profile, not the grid
+            raise ConfigError(str(err.located(str(path)))) from None
         settings = {"kind": "slurm", **profile, **settings}
     try:
         return build(LauncherConfig, settings)

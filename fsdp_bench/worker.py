@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -103,9 +104,28 @@ class JobContext:
         return self.meshes[shape]
 
 
+class Terminated(BaseException):
+    """The scheduler is ending the job (scancel, requeue, time limit): stop at once."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(f"the job was stopped by the scheduler ({signal.Signals(signum).name})")
+
+
+def _note_warning(signum: int, frame: object) -> None:
+    print("fsdp-bench: the scheduler warns that this job ends soon (USR2)", flush=True)
+
+
 def run_job(job: JobSpec) -> list[str]:
     """Entry point of every rank (a picklable top-level callable). Returns run ids recorded."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+    # submitit ignores SIGTERM in jobs; here it means the allocation is going away, and the
+    # run must not go on for the scheduler's kill delay, measuring nothing useful.
+    signal.signal(signal.SIGTERM, _terminate)
+    # submitit turns its early warning (USR2, 90 s before the time limit or at preemption)
+    # into an exception unless the job checkpoints; jobs here are requeued whole by Slurm and
+    # the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so keep working.
+    signal.signal(signal.SIGUSR2, _note_warning)
     info = rank_info()
     device = pick_device(job.device, info.local_rank)
     if device.type == "cpu":
@@ -349,8 +369,8 @@ def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
 
 def classify(err: BaseException) -> str:
     """oom, timeout, error; or peer / interrupted, which only echo another rank's failure."""
-    if isinstance(err, (KeyboardInterrupt, SystemExit)):
-        return "interrupted"  # the driver stopped a job whose other ranks had failed
+    if isinstance(err, (KeyboardInterrupt, SystemExit, Terminated)):
+        return "interrupted"  # the driver or the scheduler stopped the job
     text = f"{type(err).__name__}: {err}"
     if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
         return "oom"
@@ -372,6 +392,7 @@ def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
     """Leave a note for the driver and end this process (see the module docstring)."""
     note = {
         "rank": info.rank,
+        "attempt": info.attempt,
         "hostname": hostname(),
         "class": classify(err),
         "type": type(err).__name__,

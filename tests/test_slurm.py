@@ -1,0 +1,306 @@
+"""`fsdp-bench sweep` on a real two-node Slurm cluster (slurm/testbed, started by the tests):
+multi-node rendezvous, job arrays, the in-flight limit, scancel, time limits, OOM, requeue,
+a killed driver, and launcher settings that must not reach a shell."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_bench import load_results
+from fsdp_bench.config import RunConfig
+from fsdp_bench.errors import ConfigError
+from fsdp_bench.grid import load_grid
+from fsdp_bench.slurm import SlurmLauncher, squeue_states
+from fsdp_bench.worker import JobSpec
+from tests.conftest import QUICK_MEASURE, REPO, sweep, write_grid
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+PROFILE = str(REPO / "slurm" / "clusters" / "testbed.yaml")
+
+
+def slurm_grid(name: str, axes: Any, launcher: dict[str, Any] | None = None, **base: Any) -> dict:
+    merged: dict[str, Any] = {"world_size": 2, "model": {"name": "tiny"}, "measure": QUICK_MEASURE}
+    merged.update(base)
+    return {
+        "name": name,
+        "base": merged,
+        "axes": axes,
+        "launcher": {"cluster": PROFILE, "collective_timeout_s": 30, **(launcher or {})},
+    }
+
+
+class QueueWatcher(threading.Thread):
+    """Samples squeue while a sweep runs: the most jobs of ours queued or running at once."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.most = 0
+        self.samples = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.most = max(self.most, len(squeue_states()))
+            self.samples += 1
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def started_counts(results: Path) -> dict[str, int]:
+    """How often each run was started, from rank 0's logs of every job."""
+    counts: dict[str, int] = {}
+    for log in (results / "jobs" / "submitit").glob("*_0_log.out"):
+        for run_id in re.findall(r"fsdp-bench: run (\w+) started", log.read_text()):
+            counts[run_id] = counts.get(run_id, 0) + 1
+    return counts
+
+
+def ledger(results: Path) -> list[dict[str, Any]]:
+    return json.loads((results / "jobs" / "ledger.json").read_text())
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_node_run_matches_local_columns_and_parity(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    _, slurm_df = sweep(
+        tmp_path, slurm_grid("twonode", {"fsdp.grouping": ["block"]}), verify=True,
+        results=tmp_path / "slurm",
+    )  # fmt: skip
+    row = slurm_df.iloc[0]
+    assert row.status == "ok", row.reason
+    assert sorted(row.hostnames) == ["n1", "n2"]
+    assert row.nodes == 2 and row.processes_per_node == 1 and row.backend == "gloo"
+    assert row.parity_ok
+    assert row.all_gathers_per_step == 9 and row.reduce_scatters_per_step == 5
+
+    local = {"name": "local", "base": {"world_size": 2, "measure": QUICK_MEASURE}}
+    _, local_df = sweep(tmp_path, local, results=tmp_path / "local")
+    metrics = [c for c in local_df.columns if local_df[c].notna().all()]
+    assert set(metrics) <= set(slurm_df.columns[slurm_df.notna().all()])
+
+
+def test_array_and_in_flight_limit(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    grid = slurm_grid(
+        "array",
+        {"data.seed": list(range(6))},
+        launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1},
+        measure={"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
+    )
+    watcher = QueueWatcher()
+    watcher.start()
+    try:
+        outcome, _ = sweep(tmp_path, grid)
+    finally:
+        watcher.stop()
+    assert outcome.statuses == {"ok": 6}
+    assert watcher.samples > 10 and 1 <= watcher.most <= 2
+    job_ids = [e["job_id"] for e in ledger(tmp_path / "results")]
+    arrays = {j.split("_")[0] for j in job_ids if "_" in j}
+    assert len(job_ids) == 6 and arrays, f"packs went out as job arrays: {job_ids}"
+    assert set(started_counts(tmp_path / "results").values()) == {1}
+
+
+def test_arrays_split_at_max_array_size(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    grid = slurm_grid(
+        "split",
+        {"data.seed": list(range(5))},
+        launcher={"max_runs_per_job": 1, "max_array_size": 2, "max_jobs_in_flight": 5},
+    )
+    outcome, _ = sweep(tmp_path, grid)
+    assert outcome.statuses == {"ok": 5}
+    tasks_per_array: dict[str, int] = {}
+    for entry in ledger(tmp_path / "results"):
+        array = entry["job_id"].split("_")[0]
+        tasks_per_array[array] = tasks_per_array.get(array, 0) + 1
+    assert sorted(tasks_per_array.values()) == [1, 2, 2]
+
+
+def test_scancel_is_recorded_cancelled_and_the_rest_finish(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    # three runs in one job; the second would take minutes
+    grid = slurm_grid(
+        "cancel",
+        [{"data.seed": [0]}, {"measure.timed_steps": [5000]}, {"data.seed": [2]}],
+        launcher={"max_jobs_in_flight": 1},
+    )
+    results = tmp_path / "results"
+    victim = _runs(tmp_path, grid)[1].run_id
+    thread = threading.Thread(target=sweep, args=(tmp_path, grid), daemon=True)
+    thread.start()
+    wait_for(lambda: (results / "inflight" / victim / "started.json").exists(), 120, "run 2")
+    job_id = next(e["job_id"] for e in ledger(results) if victim in e["run_ids"])
+    subprocess.run(["scancel", job_id], check=True)
+    thread.join(timeout=300)
+    df = load_results(results).set_index("run_id")
+    assert df.loc[victim, "status"] == "cancelled"
+    assert "scancel" in df.loc[victim, "reason"]
+    assert (df.drop(index=victim).status == "ok").all() and len(df) == 3
+
+
+def test_slurm_time_limit_is_a_timeout(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    grid = slurm_grid(
+        "timelimit",
+        {"fault.kind": ["hang"]},
+        launcher={"timeout_min": 1, "collective_timeout_s": 600},
+        world_size=1,
+    )
+    outcome, df = sweep(tmp_path, grid)
+    assert outcome.statuses == {"timeout": 1}
+    assert "Slurm TIMEOUT" in df.iloc[0].reason
+    assert df.iloc[0].job_state == "TIMEOUT"
+
+
+def test_oom_is_recorded_once_and_not_retried(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    grid = slurm_grid("oom", {"fault.kind": ["oom"], "fault.rank": [1]})
+    outcome, df = sweep(tmp_path, grid)
+    assert outcome.statuses == {"oom": 1}
+    assert "rank 1 (n2)" in df.iloc[0].reason
+    assert list(started_counts(tmp_path / "results").values()) == [1]
+    assert len(ledger(tmp_path / "results")) == 1
+
+
+def test_requeued_job_completes_its_run_once(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    grid = slurm_grid(
+        "requeue",
+        {"data.seed": [0]},
+        measure={"warmup_steps": 1, "timed_steps": 60, "repeats": 1},
+    )
+    results = tmp_path / "results"
+    run_id = _runs(tmp_path, grid)[0].run_id
+    thread = threading.Thread(target=sweep, args=(tmp_path, grid), daemon=True)
+    thread.start()
+    wait_for(lambda: (results / "inflight" / run_id / "started.json").exists(), 120, "start")
+    job_id = ledger(results)[0]["job_id"]
+    subprocess.run(["scontrol", "requeue", job_id], check=True)  # what preemption does
+    thread.join(timeout=400)
+    df = load_results(results)
+    assert df.status.tolist() == ["ok"]
+    assert df.iloc[0].attempt == 1, "the run finished in the requeued job"
+    assert started_counts(results)[run_id] == 2  # started, interrupted, started again
+    assert len(ledger(results)) == 1, "the driver did not submit it again"
+
+
+def test_killed_driver_resumes_without_resubmitting(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    grid = slurm_grid(
+        "resume",
+        {"data.seed": list(range(6))},
+        launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1},
+        measure={"warmup_steps": 1, "timed_steps": 10, "repeats": 1},
+    )
+    path = write_grid(tmp_path, grid)
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results",
+               str(results), "--no-progress"]  # fmt: skip
+    env = {**os.environ, "SLURM_CONF": slurm_cluster["SLURM_CONF"]}
+    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_for(lambda: len(list((results / "runs").glob("*.json"))) >= 2, 180, "2 records")
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+
+    status = subprocess.run([*command, "--status"], cwd=REPO, env=env, capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    assert len(status.strip().splitlines()) == 1 + 6 + 1
+    assert re.search(r"\d+ ok", status.splitlines()[-1])
+
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=400)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    df = load_results(results)
+    assert len(df) == 6 and set(df.status) == {"ok"}
+    assert set(started_counts(results).values()) == {1}, "no run ran twice"
+    submitted = [run_id for entry in ledger(results) for run_id in entry["run_ids"]]
+    assert sorted(submitted) == sorted(df.run_id), "no run was submitted twice"
+
+
+def test_shell_injection_in_launcher_settings_is_rejected(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    for bad in (
+        {"partition": f"debug; touch {marker}"},
+        {"account": f"$(touch {marker})"},
+        {"sbatch_extra": {"comment": f"x`touch {marker}`"}},
+        {"srun_extra": [f"--label;touch {marker}"]},
+    ):
+        grid = slurm_grid("inject", {"data.seed": [0]}, launcher=bad)
+        path = write_grid(tmp_path, grid)
+        done = subprocess.run(
+            [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results",
+             str(tmp_path / "results")],
+            capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        key = next(iter(bad))
+        assert f"launcher.{key}" in done.stderr and "is not allowed" in done.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "results").exists(), "nothing was submitted"
+
+
+def test_sbatch_script_carries_every_setting(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    grid = {
+        "name": "h100",
+        "base": {"world_size": 16, "model": {"name": "llama3-8b"}},
+        "launcher": {
+            "cluster": str(REPO / "slurm" / "clusters" / "example-h100.yaml"),
+            "sbatch_extra": {"reservation": "big-run", "mail-type": "FAIL"},
+        },
+    }
+    spec = load_grid(write_grid(tmp_path, grid))
+    from fsdp_bench.grid import expand
+
+    run = expand(spec).runs[0]
+    assert (run.nodes, run.processes_per_node) == (2, 8)
+    launcher = SlurmLauncher(spec.launcher, tmp_path / "jobs")
+    script = launcher.sbatch_script(JobSpec(runs=(run,), results_dir=str(tmp_path)))
+    script = script.replace(str(tmp_path), "<results>").replace(sys.executable, "<python>")
+    expected = (REPO / "tests" / "data" / "h100_sbatch.sh").read_text()
+    assert script == expected
+
+
+def _runs(folder: Path, grid: dict[str, Any]) -> list[RunConfig]:
+    from fsdp_bench.grid import expand
+
+    return expand(load_grid(write_grid(folder, grid))).runs
+
+
+def test_profile_errors_name_the_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = tmp_path / "bad.yaml"
+    profile.write_text("partition: 'a b'\n")
+    grid = {"name": "p", "launcher": {"cluster": str(profile)}}
+    with pytest.raises(ConfigError, match=r"bad\.yaml: partition: 'a b' is not allowed"):
+        load_grid(write_grid(tmp_path, grid))
+    grid = {"name": "p", "launcher": {"cluster": "nosuch"}}
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError, match=r"no profile 'nosuch'.*available: example-h100, testbed"):
+        load_grid(write_grid(tmp_path, grid))
