@@ -24,13 +24,16 @@ lint: install
 	$(BIN)/ruff format --check fsdp_bench tests benchmarks
 	$(BIN)/mypy
 
-# Command 2 of the README: install everything, lint, type-check, run every test.
+# Command 2 of the README: install everything (Python packages, and munge + Slurm from
+# Debian packages for the testbed the Slurm tests start), lint, type-check, run every test.
 test: lint
+	slurm/testbed/install.sh
 	$(BIN)/python -m pytest
 
 benchmarks: install
 	$(BIN)/python benchmarks/harness_overhead.py
 	$(BIN)/python benchmarks/orchestration_overhead.py
+	$(BIN)/python benchmarks/slurm_overhead.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

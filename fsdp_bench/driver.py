@@ -90,7 +90,7 @@ class Driver:
         """Until every pack has run: fill free slots, poll, reconcile jobs that ended."""
         poll_s = self.spec.launcher.poll_s
         while watched or packs:
-            self._fill(launcher, watched, packs)
+            self.fill(launcher, watched, packs)
             time.sleep(poll_s)
             states = launcher.poll([w.job for w in watched])
             for item in list(watched):
@@ -100,13 +100,14 @@ class Driver:
                     if state == "RUNNING":
                         self._watchdog(item)
                     continue
-                if state == "UNKNOWN" and not self._waited_enough(item):
+                finished = all(self.store.has(r.run_id) for r in item.runs)
+                if state == "UNKNOWN" and not finished and not self._waited_enough(item):
                     continue
                 watched.remove(item)
                 packs[:0] = self._reconcile(item, state)
                 self.ledger.close(item.job.job_id)
 
-    def _fill(
+    def fill(
         self, launcher: Launcher, watched: list[Watched], packs: list[list[RunConfig]]
     ) -> None:
         """Submit as many packs as there are free slots; same-shape packs as one array."""

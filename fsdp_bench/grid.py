@@ -10,7 +10,6 @@ valid `RunConfig`s or fails with one line naming the key, the value and what is 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import re
 from collections.abc import Mapping
@@ -262,7 +261,7 @@ def expand(spec: SweepSpec) -> Expansion:
                 excluded += 1
                 continue
             points += 1
-            run = _place(_build_point(spec, point), spec, point).canonical()
+            run = _build_point(spec, point).canonical()
             runs.setdefault(run.run_id, run)
     return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
 
@@ -281,29 +280,33 @@ def _matches(rule: dict[str, tuple[Any, ...]], point: dict[str, Any], base: RunC
 
 
 def _build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
+    label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
+    data = _with_values(spec.base, point)
     try:
-        return build(RunConfig, _with_values(spec.base, point))
+        _place(data, spec.launcher)
+        return build(RunConfig, data)
     except FieldError as err:
-        label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
         err.allowed += " (or leave this combination out with an exclude: entry)"
         raise err.located(f"{spec.source}: run {label}") from None
 
 
-def _place(run: RunConfig, spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
+def _place(data: dict[str, Any], launcher: LauncherConfig) -> None:
     """Fill in processes_per_node from the launcher (a cluster's GPUs per node) when the run
     did not choose: it decides the nodes, so it is part of what the run is."""
-    per_node = spec.launcher.ranks_per_node(run.world_size)
-    if run.processes_per_node is not None or per_node is None:
-        return run
-    if run.world_size % per_node:
-        label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
+    world_size = data.get("world_size", 1)
+    if data.get("processes_per_node") is not None or not isinstance(world_size, int):
+        return
+    per_node = launcher.ranks_per_node(world_size)
+    if per_node is None:
+        return
+    if world_size % per_node:
         raise CombinationError(
             "world_size",
-            run.world_size,
-            f"a multiple of the cluster's {per_node} processes per node "
+            world_size,
+            f"it must be a multiple of the cluster's {per_node} processes per node "
             "(launcher.processes_per_node / gpus_per_node)",
-        ).located(f"{spec.source}: run {label}")
-    return dataclasses.replace(run, processes_per_node=per_node)
+        )
+    data["processes_per_node"] = per_node
 
 
 def get_path(obj: Any, dotted: str) -> Any:
