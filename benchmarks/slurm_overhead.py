@@ -79,12 +79,11 @@ def main() -> int:
     packed_wall, packed_cpu, results = sweep_wall(None)
     single_wall, single_cpu, _ = sweep_wall(1)
     print(f"sweeps/testbed.yaml, {results} runs, one job in flight:")
-    print(
-        f"  packed:          {packed_wall:6.1f} s wall, driver CPU {packed_cpu / results:.3f} s/result"
-    )
-    print(
-        f"  one job per run: {single_wall:6.1f} s wall, driver CPU {single_cpu / results:.3f} s/result"
-    )
+    for label, wall, cpu in (
+        ("packed", packed_wall, packed_cpu),
+        ("one job per run", single_wall, single_cpu),
+    ):
+        print(f"  {label:16s} {wall:6.1f} s wall, driver CPU {cpu / results:.3f} s/result")
     print(f"  packed is {single_wall / packed_wall:.2f}x faster (target >= 3x)")
     return 0
 
