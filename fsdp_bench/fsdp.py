@@ -61,9 +61,9 @@ def parallelize(
         bundle = _checkpoint_blocks(bundle)
     model = bundle.module
     match run.strategy:
-        case "fsdp":
+        case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
             plan = plan_groups(bundle, str(run.fsdp.grouping))
-            _measure_groups(plan, model, run.fsdp, mesh.size())
+            _measure_groups(plan, model, run.fsdp, run.shard_group_size)
             _shard(plan, model, run.fsdp, mesh, device)
             model.to_empty(device=device)
             init_weights(model)

@@ -168,3 +168,22 @@ def test_throughput_and_provenance_columns(table: pd.DataFrame) -> None:
     assert row.backend == "gloo" and row.device == "cpu"
     assert len(row.hostnames) == 1 and row.torch_version.startswith("2.")
     assert pd.isna(row.mfu)  # no peak-FLOPS figure for a CPU
+
+
+def test_hsdp_shards_inside_groups_and_all_reduces_across(tmp_path: Path) -> None:
+    grid = tiny_grid(
+        "hsdp",
+        {"strategy": ["fsdp", "hsdp"]},
+        world_size=4,
+        fsdp={"shard_group_size": 2, "reshard_after_forward": False},
+    )
+    _, df = sweep(tmp_path, grid, verify=True)
+    by = df.set_index("strategy")
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["strategy", "reason"]]
+    fsdp, hsdp = by.loc["fsdp"], by.loc["hsdp"]
+    assert fsdp.all_reduces_per_step == 0
+    assert hsdp.all_reduces_per_step == hsdp.reduce_scatters_per_step == 5  # one per group
+    # A shard group of 2 instead of 4: each rank keeps twice the optimizer state.
+    assert hsdp.memory_breakdown_gib["optimizer_state"] == pytest.approx(
+        2 * fsdp.memory_breakdown_gib["optimizer_state"], rel=0.05
+    )

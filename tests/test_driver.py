@@ -1,0 +1,72 @@
+"""The driver's pure decisions: how runs are packed into jobs, and what a failed run was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_bench.config import DataConfig, LauncherConfig, RunConfig
+from fsdp_bench.driver import Ledger, classify_failure, pack_runs
+
+
+def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:
+    return {"rank": rank, "class": klass, "hostname": f"n{rank + 1}", "message": message}
+
+
+def test_root_cause_wins_over_its_echoes() -> None:
+    notes = [note(0, "timeout", "Timed out"), note(1, "oom", "CUDA out of memory"), note(2, "peer")]
+    assert classify_failure(notes, "", "FAILED") == ("oom", "rank 1 (n2): CUDA out of memory")
+    assert classify_failure([note(0, "peer"), note(1, "error")], "", "FAILED")[0] == "error"
+    assert classify_failure([note(0, "timeout")], "", "ENDED")[0] == "timeout"
+
+
+@pytest.mark.parametrize(
+    ("state", "status"),
+    [
+        ("TIMEOUT", "timeout"),
+        ("CANCELLED", "cancelled"),
+        ("OUT_OF_MEMORY", "oom"),
+        ("NODE_FAIL", "node_fail"),
+        ("PREEMPTED", "preempted"),
+    ],
+)
+def test_scheduler_verdicts_explain_interrupted_ranks(state: str, status: str) -> None:
+    echoes = [note(0, "interrupted"), note(1, "peer")]
+    assert classify_failure(echoes, "", state)[0] == status
+
+
+def test_a_job_the_driver_stopped_keeps_its_ranks_reason() -> None:
+    notes = [note(0, "timeout", "Timed out waiting"), note(1, "interrupted")]
+    assert classify_failure(notes, "ranks were stuck", "CANCELLED") == (
+        "timeout", "rank 0 (n1): Timed out waiting"
+    )  # fmt: skip
+    assert classify_failure([], "run exceeded launcher.run_timeout_s (60 s)", "CANCELLED") == (
+        "timeout", "run exceeded launcher.run_timeout_s (60 s)"
+    )  # fmt: skip
+
+
+def test_silent_death_is_an_error_that_says_so() -> None:
+    status, reason = classify_failure([note(0, "peer")], "", "FAILED")
+    assert status == "error" and "without a report (rank 0: peer; job state FAILED)" in reason
+
+
+def test_runs_are_packed_by_shape_and_spread_over_the_slots() -> None:
+    runs = [RunConfig(world_size=w, data=DataConfig(seed=s)) for w in (1, 2) for s in range(5)]
+    local = pack_runs(runs, LauncherConfig())
+    assert [len(p) for p in local] == [5, 5]
+    assert all(len({r.world_size for r in p}) == 1 for p in local)
+    slurm = pack_runs(runs, LauncherConfig(kind="slurm", max_jobs_in_flight=2))
+    assert [len(p) for p in slurm] == [3, 2, 3, 2]
+    one_each = pack_runs(runs, LauncherConfig(kind="slurm", max_runs_per_job=1))
+    assert len(one_each) == 10
+
+
+def test_ledger_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.json"
+    ledger = Ledger(path)
+    ledger.add("slurm", [("12_0", ["a", "b"]), ("12_1", ["c"])])
+    ledger.close("12_0")
+    again = Ledger(path)
+    assert [e["job_id"] for e in again.open_jobs("slurm")] == ["12_1"]
+    assert again.open_jobs("local") == []
