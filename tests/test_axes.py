@@ -7,6 +7,8 @@ reduction, resharding after forward costs one more all-gather per group in backw
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
