@@ -71,6 +71,15 @@ def init_process_group(
 ) -> None:
     """NCCL on GPUs, gloo on CPUs; `timeout_s` bounds every collective (a hang becomes an error)."""
     store = _rendezvous(info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s)
+    # The usual variables, for user model code that reads them (torch itself uses the store).
+    os.environ.update(
+        RANK=str(info.rank),
+        LOCAL_RANK=str(info.local_rank),
+        WORLD_SIZE=str(info.world_size),
+        LOCAL_WORLD_SIZE=str(info.world_size // info.num_nodes),
+        MASTER_ADDR=info.master_addr,
+        MASTER_PORT=str(store.port),
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import pandas as pd
 
-Status = Literal["ok", "oom", "error", "timeout", "skipped", "cancelled"]
-STATUSES: tuple[str, ...] = ("ok", "oom", "error", "timeout", "skipped", "cancelled")
+Status = Literal["ok", "oom", "error", "timeout", "skipped", "cancelled", "preempted", "node_fail"]
 
 
 @dataclass(kw_only=True)

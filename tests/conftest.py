@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,15 @@ def sweep(
     results = results or folder / "results"
     outcome = run_sweep(spec, SweepOptions(results_dir=results, verify=verify, progress=False))
     return outcome, load_results(results)
+
+
+def started_counts(results: Path) -> dict[str, int]:
+    """How often each run was started, from rank 0's logs of every job of a results folder."""
+    counts: dict[str, int] = {}
+    for log in (results / "jobs" / "submitit").glob("*_0_log.out"):
+        for run_id in re.findall(r"fsdp-bench: run (\w+) started", log.read_text()):
+            counts[run_id] = counts.get(run_id, 0) + 1
+    return counts
 
 
 def tiny_grid(name: str, axes: Any, **base: Any) -> dict[str, Any]:

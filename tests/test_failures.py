@@ -4,7 +4,6 @@ sweep goes on, and a driver killed mid-sweep resumes without running anything tw
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_bench import load_results
-from tests.conftest import REPO, sweep, tiny_grid, write_grid
+from tests.conftest import REPO, started_counts, sweep, tiny_grid, write_grid
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +39,6 @@ def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path: Path) 
     assert "Timed out" in by_fault.loc["hang", "reason"]
     assert by_fault.loc["none", "status"] == "ok"  # the run after the failures
     assert not list((tmp_path / "results" / "inflight").iterdir())
-
-
-def _started_counts(results: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for log in (results / "jobs" / "submitit").glob("*_0_log.out"):
-        for run_id in re.findall(r"fsdp-bench: run (\w+) started", log.read_text()):
-            counts[run_id] = counts.get(run_id, 0) + 1
-    return counts
 
 
 def test_killed_driver_resumes_without_repeating_runs(tmp_path: Path) -> None:
@@ -80,4 +71,4 @@ def test_killed_driver_resumes_without_repeating_runs(tmp_path: Path) -> None:
     df = load_results(results)
     assert sorted(df.run_id) == sorted(set(df.run_id)) and len(df) == 8
     assert set(df.status) == {"ok"}
-    assert set(_started_counts(results).values()) == {1}, "a run was started twice"
+    assert set(started_counts(results).values()) == {1}, "a run was started twice"

@@ -23,7 +23,7 @@ from fsdp_bench.errors import ConfigError
 from fsdp_bench.grid import load_grid
 from fsdp_bench.slurm import SlurmLauncher, squeue_states
 from fsdp_bench.worker import JobSpec
-from tests.conftest import QUICK_MEASURE, REPO, sweep, write_grid
+from tests.conftest import QUICK_MEASURE, REPO, started_counts, sweep, write_grid
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -59,15 +59,6 @@ class QueueWatcher(threading.Thread):
     def stop(self) -> None:
         self._done.set()
         self.join()
-
-
-def started_counts(results: Path) -> dict[str, int]:
-    """How often each run was started, from rank 0's logs of every job."""
-    counts: dict[str, int] = {}
-    for log in (results / "jobs" / "submitit").glob("*_0_log.out"):
-        for run_id in re.findall(r"fsdp-bench: run (\w+) started", log.read_text()):
-            counts[run_id] = counts.get(run_id, 0) + 1
-    return counts
 
 
 def ledger(results: Path) -> list[dict[str, Any]]:
