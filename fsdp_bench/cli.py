@@ -58,11 +58,28 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check each configuration against a single-process step before timing it",
     )
-    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     sweep.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        "--no-prune",
+        action="store_true",
+        help="launch runs predicted over memory.budget_gib too",
     )
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     sweep.set_defaults(handler=_sweep)
+
+    estimate = commands.add_parser(
+        "estimate", help="predicted peak memory per rank of every run, without a GPU"
+    )
+    estimate.add_argument("grid", nargs="?", help=f"grid YAML file (default: {DEFAULT_GRID})")
+    estimate.add_argument(
+        "--results", type=Path, help="results folder (estimates are cached there)"
+    )
+    estimate.add_argument("--json", action="store_true", help="machine-readable output")
+    estimate.set_defaults(handler=_estimate)
+
+    for command in (sweep, estimate):
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
     return parser
 
 
@@ -73,20 +90,22 @@ def _grid_path(given: str | None) -> Path:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from fsdp_bench import views
     from fsdp_bench.grid import expand, load_grid
     from fsdp_bench.sweep import SweepOptions, results_dir_for, run_sweep
 
     spec = load_grid(_grid_path(args.grid))
     if args.dry_run:
-        print(_describe_expansion(spec, args.results))
+        print(views.describe_expansion(spec, args.results))
         return 0
     if args.status:
-        print(_describe_status(spec, args.results))
+        print(views.describe_status(spec, args.results))
         return 0
     options = SweepOptions(
         results_dir=args.results,
         rerun=args.rerun,
         verify=args.verify,
+        prune=not args.no_prune,
         progress=not args.no_progress,
     )
     total = len(expand(spec).runs)
@@ -98,54 +117,13 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_expansion(spec: object, results: Path | None) -> str:
-    from fsdp_bench.driver import pack_runs
-    from fsdp_bench.errors import yaml_scalar
-    from fsdp_bench.grid import SweepSpec, axis_keys, expand, get_path
-    from fsdp_bench.results import ResultStore
-    from fsdp_bench.sweep import results_dir_for
+def _estimate(args: argparse.Namespace) -> int:
+    from fsdp_bench import views
+    from fsdp_bench.grid import load_grid
 
-    assert isinstance(spec, SweepSpec)
-    expansion = expand(spec)
-    done = ResultStore(results_dir_for(spec, results)).done_ids()
-    keys = axis_keys(spec)
-    header = ["run_id", *(k.split(".")[-1] for k in keys), "recorded"]
-    rows = [
-        [
-            run.run_id,
-            *(yaml_scalar(get_path(run, k)) for k in keys),
-            "yes" if run.run_id in done else "no",
-        ]
-        for run in expansion.runs
-    ]
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True))
-        for row in [header, *rows]
-    ]
-    lines.append(
-        f"{len(expansion.runs)} runs in "
-        f"{len(pack_runs(expansion.runs, spec.launcher))} jobs"
-        f" ({expansion.excluded} excluded, {expansion.collapsed} equal to another run)"
-    )
-    return "\n".join(lines)
-
-
-def _describe_status(spec: object, results: Path | None) -> str:
-    from collections import Counter
-
-    from fsdp_bench.grid import SweepSpec
-    from fsdp_bench.sweep import sweep_status
-
-    assert isinstance(spec, SweepSpec)
-    states = sweep_status(spec, results)
-    rows = [["run_id", "state", "job", "detail"]]
-    rows += [[s.run_id, s.state, s.job_id or "-", s.detail] for s in states]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]).rstrip() for r in rows]
-    counts = Counter(s.state for s in states)
-    lines.append(", ".join(f"{n} {state}" for state, n in counts.most_common()))
-    return "\n".join(lines)
+    spec = load_grid(_grid_path(args.grid))
+    print(views.describe_estimates(spec, args.results, args.json))
+    return 0
 
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:

@@ -75,11 +75,13 @@ class Driver:
         spec: SweepSpec,
         verify: bool,
         on_record: Callable[[RunResult], None] | None = None,
+        estimates: dict[str, tuple[float | None, float | None]] | None = None,
     ) -> None:
         self.store = store
         self.ledger = ledger
         self.spec = spec
         self.verify = verify
+        self.estimates = estimates or {}
         self.on_record = on_record
         self.progress = Progress()
         self.attempts: Counter[str] = Counter()
@@ -138,6 +140,9 @@ class Driver:
             cpu_threads_per_rank=launcher.cpu_threads_per_rank,
             collective_timeout_s=launcher.collective_timeout_s,
             verify=self.verify,
+            estimates={
+                r.run_id: self.estimates[r.run_id] for r in runs if r.run_id in self.estimates
+            },
         )
 
     def _waited_enough(self, item: Watched) -> bool:
@@ -223,12 +228,21 @@ class Driver:
             reason += "\n" + "\n".join(
                 f"rank {r} log tail:\n{job.log_tail(r, 8)}" for r in range(run.world_size)
             )
+        self.record_unlaunched(run, status, reason, {"job_id": job.job_id, "job_state": state})
+
+    def record_unlaunched(
+        self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]
+    ) -> None:
+        """A record the driver writes itself: a failure, or a run it did not launch."""
+        simulated, analytic = self.estimates.get(run.run_id, (None, None))
         result = RunResult(
             run_id=run.run_id,
             status=status,  # type: ignore[arg-type]
             config=to_plain(run),
             reason=reason,
-            provenance={"job_id": job.job_id, "job_state": state, "finished_at": now_iso()},
+            estimated_peak_gib=simulated,
+            analytic_peak_gib=analytic,
+            provenance={**provenance, "finished_at": now_iso()},
         )
         self.store.record(result)
         self.announce(result)

@@ -57,6 +57,22 @@ def parallelize(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
+    model, plan = shard(bundle, run, mesh, device)
+    materialize(model, device)
+    init_weights(model)
+    if run.strategy == "ddp":
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        _count_ddp_allreduce_through_dispatcher(ddp)
+        return ddp, plan
+    return model, plan
+
+
+def shard(
+    bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, ShardPlan]:
+    """Activation checkpointing and fully_shard, still on the meta device (no memory yet)."""
     if run.fsdp.activation_checkpointing == "block":
         bundle = _checkpoint_blocks(bundle)
     model = bundle.module
@@ -65,21 +81,12 @@ def parallelize(
             plan = plan_groups(bundle, str(run.fsdp.grouping))
             _measure_groups(plan, model, run.fsdp, run.shard_group_size)
             _shard(plan, model, run.fsdp, mesh, device)
-            model.to_empty(device=device)
-            init_weights(model)
-            return model, plan
         case "ddp":
             plan = ShardPlan([_root_group(model)])
             _measure_groups(plan, model, run.fsdp, 1)
-            materialize(model, device)
-            init_weights(model)
-            ddp = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-            _count_ddp_allreduce_through_dispatcher(ddp)
-            return ddp, plan
         case _:
             raise ConfigError(f"strategy: {run.strategy!r} is not supported")
+    return model, plan
 
 
 def plan_groups(bundle: ModelBundle, grouping: str) -> ShardPlan:
@@ -240,7 +247,12 @@ def _checkpoint_blocks(bundle: ModelBundle) -> ModelBundle:
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """`to_empty` that keeps tied parameters tied (plain `to_empty` unties them)."""
+    """Allocate the parameters on `device`, tied ones still tied.
+
+    FSDP2 keeps shared parameters shared through `to_empty`; a plain module does not."""
+    if isinstance(module, FSDPModule):
+        module.to_empty(device=device)
+        return
     first_holder: dict[int, tuple[nn.Module, str]] = {}
     ties: list[tuple[nn.Module, str, nn.Module, str]] = []
     for sub in module.modules():

@@ -19,8 +19,9 @@ from typing import Any
 
 import yaml
 
-from fsdp_bench.config import LauncherConfig, RunConfig, canonical_grouping
+from fsdp_bench.config import MemoryConfig, RunConfig, canonical_grouping
 from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
+from fsdp_bench.launcher_config import LauncherConfig
 from fsdp_bench.schema import bad_value, build, coerce, field_paths
 
 AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
@@ -39,6 +40,8 @@ class SweepSpec:
     exclude: tuple[dict[str, tuple[Any, ...]], ...] = ()
     """Combinations to leave out: every key's value must match (a list means any of)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """The per-rank memory budget runs are estimated against."""
     source: str = "<grid>"
     """Where the grid came from (for messages and provenance)."""
 
@@ -52,7 +55,7 @@ class Expansion:
     collapsed: int
 
 
-_TOP_KEYS = ("name", "description", "base", "axes", "exclude", "launcher")
+_TOP_KEYS = ("name", "description", "base", "axes", "exclude", "memory", "launcher")
 
 
 def load_grid(path: str | Path) -> SweepSpec:
@@ -106,6 +109,10 @@ def _parse(data: object, source: str) -> SweepSpec:
         axes = (_parse_axes(raw_axes, "axes", base),)
     exclude = _parse_exclude(data.get("exclude") or [])
     launcher = _parse_launcher(data.get("launcher") or {}, source)
+    try:
+        memory = build(MemoryConfig, data.get("memory") or {})
+    except FieldError as err:
+        raise err.under("memory") from None
     return SweepSpec(
         name=name,
         description=description,
@@ -113,6 +120,7 @@ def _parse(data: object, source: str) -> SweepSpec:
         axes=axes,
         exclude=exclude,
         launcher=launcher,
+        memory=memory,
         source=source,
     )
 

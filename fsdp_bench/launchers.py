@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import submitit
 
-from fsdp_bench.config import LauncherConfig
 from fsdp_bench.errors import ConfigError
+from fsdp_bench.launcher_config import LauncherConfig
 from fsdp_bench.worker import JobSpec, run_job
 
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_bench.config import RunConfig
 from fsdp_bench.training import Batch, make_train_step
 
 # c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
@@ -101,7 +103,7 @@ class StepProfile:
 
 
 def profile_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], grad_sync: str
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], run: RunConfig
 ) -> StepProfile:
     """One untimed optimizer step under the memory tracker and the collective counter.
 
@@ -119,11 +121,26 @@ def profile_step(
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
     step = make_train_step(
-        model, optimizer, batches, grad_sync, before_micro_batch=tracker.reset_mod_stats
+        model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
     )
     counter = CollectiveCounter()
     with tracker, counter:
         step()
+    memory = _snapshot(tracker)
+    if isinstance(model, DistributedDataParallel):
+        add_ddp_buckets(memory, model)
+    return StepProfile(counter.counts, memory)
+
+
+def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:
+    """DDP's gradient buckets: flat copies of every gradient, allocated before any tracked
+    step and alive through all of them, so the tracker never sees them being made."""
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory.peak_bytes += buckets
+    memory.breakdown_bytes["ddp_gradient_buckets"] = buckets
+
+
+def _snapshot(tracker: Any) -> MemoryReport:
     snapshot: dict[Any, int] = {}
     for per_device in tracker.get_tracker_snapshot("peak").values():
         for key, value in per_device.items():
@@ -131,7 +148,7 @@ def profile_step(
             snapshot[name] = snapshot.get(name, 0) + value
     total = snapshot.pop("Total", sum(snapshot.values()))
     breakdown = {_category(name): value for name, value in snapshot.items() if value}
-    return StepProfile(counter.counts, MemoryReport(peak_bytes=total, breakdown_bytes=breakdown))
+    return MemoryReport(peak_bytes=total, breakdown_bytes=breakdown)
 
 
 def _category(name: str) -> str:

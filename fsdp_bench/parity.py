@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_bench.config import RunConfig
 from fsdp_bench.fsdp import materialize, parallelize
 from fsdp_bench.models import build_model
-from fsdp_bench.training import forward_backward, global_micro_batch, rank_batches
+from fsdp_bench.training import autocast_dtype, forward_backward, global_micro_batch, rank_batches
 
 # fp32: the seed's (rtol, atol), elementwise (measured differences were about 6e-9 for
 # gradients, 1.2e-7 after SGD). bf16 compute against the fp32 reference: the relative L2 error
@@ -52,11 +52,10 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     with torch.no_grad():
         for name, param in reference.named_parameters():
             param.copy_(start[name])
-    bf16 = run.fsdp.mixed_precision == "bf16"
+    bf16 = run.fsdp.mixed_precision == "bf16"  # FSDP2's policy, or autocast under DDP
 
-    forward_backward(
-        model, rank_batches(run, rank, reference_bundle.vocab_size, device), run.train.grad_sync
-    )()
+    batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
+    forward_backward(model, batches, run.train.grad_sync, autocast=autocast_dtype(run))()
     global_batches = [
         tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
         for k in range(run.train.accumulation_steps)

@@ -57,6 +57,9 @@ class RunResult:
     tracked_peak_gib: float | None = None
     memory_breakdown_gib: dict[str, float] | None = None
     peak_memory_source: str | None = None
+    estimated_peak_gib: float | None = None
+    """The simulated estimate made before the run (tensors only, like tracked_peak_gib)."""
+    analytic_peak_gib: float | None = None
     # Communication per optimizer step (rank 0; all ranks issue the same collectives)
     all_gathers_per_step: int | None = None
     all_gather_bytes_per_step: int | None = None

@@ -17,8 +17,8 @@ from typing import Any
 import submitit
 from submitit.core.utils import JobPaths
 
-from fsdp_bench.config import LauncherConfig
 from fsdp_bench.errors import LaunchError
+from fsdp_bench.launcher_config import LauncherConfig
 from fsdp_bench.launchers import tail
 from fsdp_bench.worker import JobSpec, run_job
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from fsdp_bench.config import RunConfig
 from fsdp_bench.driver import Driver, Ledger, Watched, pack_runs
+from fsdp_bench.estimates import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.grid import SweepSpec, expand
 from fsdp_bench.launchers import ALIVE_STATES, make_launcher
 from fsdp_bench.results import ResultStore, RunResult, write_atomic
@@ -29,6 +30,8 @@ class SweepOptions:
     """Run again (and replace) runs that are already recorded; old records are kept aside."""
     verify: bool = False
     """Check each configuration against a single-process step before timing it."""
+    prune: bool = True
+    """Record runs predicted over the memory budget as skipped instead of launching them."""
     progress: bool = True
 
 
@@ -65,9 +68,19 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     watched = _reattach(ledger, launcher, {r.run_id: r for r in runs})
     busy = {r.run_id for w in watched for r in w.runs}
     todo = [r for r in runs if r.run_id not in done and r.run_id not in busy]
+    estimates = _estimate(todo, store, options.progress)
 
     bar = _progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
-    driver = Driver(store, ledger, spec, options.verify, on_record=_updater(bar))
+    driver = Driver(
+        store,
+        ledger,
+        spec,
+        options.verify,
+        on_record=_updater(bar),
+        estimates={k: (e.simulated_gib, e.analytic_gib) for k, e in estimates.items()},
+    )
+    if options.prune:
+        todo = _prune(todo, estimates, spec, store, driver)
     try:
         driver.run(launcher, watched, pack_runs(todo, spec.launcher))
     except KeyboardInterrupt:
@@ -82,6 +95,39 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
         outcome.recorded = driver.progress.recorded
         outcome.statuses = driver.progress.statuses
     return outcome
+
+
+def _estimate(runs: list[RunConfig], store: ResultStore, progress: bool) -> dict[str, RunEstimate]:
+    """Every run's memory estimate before anything launches (cached in estimates/)."""
+    bar = _progress_bar("estimate", len(runs)) if progress else None
+    try:
+        return estimate_runs(
+            runs, store.root / "estimates", on_estimate=lambda _: bar.update(1) if bar else None
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _prune(
+    runs: list[RunConfig],
+    estimates: dict[str, RunEstimate],
+    spec: SweepSpec,
+    store: ResultStore,
+    driver: Driver,
+) -> list[RunConfig]:
+    """Record the runs that cannot fit the memory budget as skipped; return the others."""
+    if spec.memory.budget_gib is None:
+        return runs
+    extra = overhead(spec.memory, store)
+    keep = []
+    for run in runs:
+        reason = predicted_oom(estimates[run.run_id], spec.memory, extra)
+        if reason:
+            driver.record_unlaunched(run, "skipped", reason, {"overhead": extra.source})
+        else:
+            keep.append(run)
+    return keep
 
 
 def _reattach(ledger: Ledger, launcher: Any, by_id: dict[str, RunConfig]) -> list[Watched]:

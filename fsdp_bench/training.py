@@ -66,10 +66,15 @@ def forward_backward(
     batches: list[Batch],
     grad_sync: str,
     before_micro_batch: Callable[[], None] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Callable[[], None]:
-    """The step's micro-batches: forward and backward, loss scaled by 1/K."""
+    """The step's micro-batches: forward and backward, loss scaled by 1/K.
+
+    `autocast` is mixed precision for models that FSDP2's MixedPrecisionPolicy does not
+    handle (the DDP baseline)."""
     count = len(batches)
     sync_last_only = grad_sync == "last" and count > 1
+    device_type = batches[0][0].device.type if batches else "cpu"
 
     def run_micro_batches() -> None:
         for index, (inputs, targets) in enumerate(batches):
@@ -77,21 +82,32 @@ def forward_backward(
                 before_micro_batch()
             if sync_last_only:
                 _set_gradient_sync(model, index == count - 1)
-            loss = loss_fn(model(inputs), targets)
+            # No name for the logits: held through backward they would add their full size.
+            with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+                loss = loss_fn(model(inputs), targets)
             (loss / count).backward()
 
     return run_micro_batches
+
+
+def autocast_dtype(run: RunConfig) -> torch.dtype | None:
+    """bf16 autocast for the DDP baseline in bf16 (FSDP2 casts through its own policy)."""
+    if run.strategy == "ddp" and run.fsdp.mixed_precision == "bf16":
+        return torch.bfloat16
+    return None
 
 
 def make_train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[Batch],
-    grad_sync: str,
+    run: RunConfig,
     before_micro_batch: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """One optimizer step as a closure: the exact code the timed loop runs."""
-    micro_batches = forward_backward(model, batches, grad_sync, before_micro_batch)
+    micro_batches = forward_backward(
+        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run)
+    )
 
     def train_step() -> None:
         micro_batches()

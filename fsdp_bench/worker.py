@@ -65,6 +65,8 @@ class JobSpec:
     cpu_threads_per_rank: int | None = None
     collective_timeout_s: float = 300.0
     verify: bool = False
+    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    """run_id -> (simulated, analytic) estimated peak GiB, copied into each record."""
 
 
 @dataclass
@@ -94,6 +96,7 @@ class JobContext:
     device: torch.device
     store: ResultStore
     verify: bool
+    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
@@ -135,7 +138,9 @@ def run_job(job: JobSpec) -> list[str]:
     # What exists now lives for the whole job; later collections only scan what runs create,
     # which makes the collection between runs ~10x cheaper.
     gc.freeze()
-    context = JobContext(info=info, device=device, store=store, verify=job.verify)
+    context = JobContext(
+        info=info, device=device, store=store, verify=job.verify, estimates=job.estimates
+    )
     recorded = []
     for run in job.runs:
         if _already_recorded(run, context):
@@ -183,21 +188,21 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     model, plan = parallelize(bundle, run, mesh, device)
     optimizer = build_optimizer(model, run)
     batches = rank_batches(run, rank, bundle.vocab_size, device)
-    step = make_train_step(model, optimizer, batches, run.train.grad_sync)
+    step = make_train_step(model, optimizer, batches, run)
     setup_s = time.perf_counter() - start
 
     _inject_fault(run, rank, device)
-    # The profiled step is untimed: with two or more warm-up steps it is the last of them;
-    # otherwise it follows the timed steps (it needs a step before it: optimizer state).
-    profile_first = run.measure.warmup_steps >= 2
+    # The profiled step is untimed: the last warm-up step when there are enough before it,
+    # otherwise after the timed steps. Steps before it: one for the optimizer state to exist;
+    # two under DDP, which reallocates its gradient buckets in the second.
+    settled = 2 if run.strategy == "ddp" else 1
+    profile_first = run.measure.warmup_steps > settled
     warmup_start = time.perf_counter()
     for _ in range(run.measure.warmup_steps - profile_first):
         step()
     _synchronize(device)
     warmup_s = time.perf_counter() - warmup_start
-    profile = (
-        profile_step(model, optimizer, batches, run.train.grad_sync) if profile_first else None
-    )
+    profile = profile_step(model, optimizer, batches, run) if profile_first else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -205,7 +210,10 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
 
     cuda_peaks = _cuda_peaks(device)
     if profile is None:
-        profile = profile_step(model, optimizer, batches, run.train.grad_sync)
+        steps_taken = run.measure.warmup_steps + run.measure.repeats * run.measure.timed_steps
+        for _ in range(settled - steps_taken):
+            step()
+        profile = profile_step(model, optimizer, batches, run)
 
     outcome = RankOutcome(
         hostname=hostname(),
@@ -298,6 +306,8 @@ def _gather_result(
         tracked_peak_gib=tracked / GIB,
         memory_breakdown_gib={k: v / GIB for k, v in worst.breakdown_bytes.items()},
         peak_memory_source="cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
+        estimated_peak_gib=context.estimates.get(run.run_id, (None, None))[0],
+        analytic_peak_gib=context.estimates.get(run.run_id, (None, None))[1],
         all_gathers_per_step=counts["all_gathers"],
         all_gather_bytes_per_step=counts["all_gather_bytes"],
         reduce_scatters_per_step=counts["reduce_scatters"],

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_bench.config import DataConfig, LauncherConfig, RunConfig
+from fsdp_bench.config import DataConfig, RunConfig
 from fsdp_bench.driver import Ledger, classify_failure, pack_runs
+from fsdp_bench.launcher_config import LauncherConfig
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:

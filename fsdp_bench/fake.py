@@ -1,0 +1,39 @@
+"""The one place that touches torch's private fake-distribution helpers.
+
+A fake process group hallucinates collectives for one rank of a world of any size, and
+FakeTensorMode gives tensors shapes and dtypes but no storage: together they run the real
+FSDP2 code for rank 0 of, say, 1,024 ranks on a laptop. Both live in private torch modules
+(`torch.testing._internal`, `torch._subclasses`); if an upstream release moves them, this
+file is what changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = ["fake_tensors", "fake_world"]
+
+
+def fake_tensors() -> FakeTensorMode:
+    """Tensors without storage. Real inputs are allowed: FSDP2 builds small device-mesh index
+    tensors while sharding (an int reshard_after_forward makes a sub-mesh)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake default process group of `world_size` ranks in which this process is `rank`."""
+    # Importing the module registers the "fake" backend with torch.distributed.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group already exists in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Terminal views of a grid: its expanded runs, where each run is, their memory estimates."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from fsdp_bench.driver import pack_runs
+from fsdp_bench.errors import yaml_scalar
+from fsdp_bench.estimates import estimate_runs, overhead, predicted_oom
+from fsdp_bench.grid import SweepSpec, axis_keys, expand, get_path
+from fsdp_bench.results import ResultStore
+from fsdp_bench.sweep import results_dir_for, sweep_status
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    )
+
+
+def describe_expansion(spec: SweepSpec, results: Path | None) -> str:
+    expansion = expand(spec)
+    done = ResultStore(results_dir_for(spec, results)).done_ids()
+    keys = axis_keys(spec)
+    rows = [
+        [
+            run.run_id,
+            *(yaml_scalar(get_path(run, k)) for k in keys),
+            "yes" if run.run_id in done else "no",
+        ]
+        for run in expansion.runs
+    ]
+    jobs = len(pack_runs(expansion.runs, spec.launcher))
+    return (
+        text_table(["run_id", *(k.split(".")[-1] for k in keys), "recorded"], rows)
+        + f"\n{len(expansion.runs)} runs in {jobs} jobs ({expansion.excluded} excluded, "
+        f"{expansion.collapsed} equal to another run)"
+    )
+
+
+def describe_status(spec: SweepSpec, results: Path | None) -> str:
+    states = sweep_status(spec, results)
+    rows = [[s.run_id, s.state, s.job_id or "-", s.detail] for s in states]
+    counts = Counter(s.state for s in states)
+    summary = ", ".join(f"{n} {state}" for state, n in counts.most_common())
+    return text_table(["run_id", "state", "job", "detail"], rows) + "\n" + summary
+
+
+def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> str:
+    """Every run's predicted peak per rank: analytic, simulated, with overhead, fits or not."""
+    runs = expand(spec).runs
+    store = ResultStore(results_dir_for(spec, results))
+    estimates = estimate_runs(runs, store.root / "estimates")
+    extra = overhead(spec.memory, store)
+    if as_json:
+        return json.dumps(
+            [
+                {
+                    **asdict(estimates[run.run_id]),
+                    "overhead_gib": extra.gib,
+                    "predicted_oom": predicted_oom(estimates[run.run_id], spec.memory, extra),
+                }
+                for run in runs
+            ],
+            indent=1,
+        )
+    keys = axis_keys(spec)
+    rows = []
+    for run in runs:
+        e = estimates[run.run_id]
+        fits = (
+            "?"
+            if spec.memory.budget_gib is None or e.simulated_gib is None
+            else ("no" if predicted_oom(e, spec.memory, extra) else "yes")
+        )
+        top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
+        rows.append(
+            [
+                run.run_id,
+                *(yaml_scalar(get_path(run, k)) for k in keys),
+                _gib(e.analytic_gib),
+                _gib(e.simulated_gib),
+                fits,
+                ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
+            ]
+        )
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "simulated", "fits",
+              "largest parts (GiB)"]  # fmt: skip
+    budget = spec.memory
+    footer = f"GiB per rank. overhead {extra.gib:.2f} GiB ({extra.source}); " + (
+        f"budget {budget.budget_gib:g} GiB, margin {budget.margin_gib:g} GiB"
+        if budget.budget_gib is not None
+        else "no budget (memory.budget_gib)"
+    )
+    return text_table(header, rows) + "\n" + footer
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,71 @@
+"""The analytic memory model: the seeds' exercises, exactly, and its terms on real shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.memory import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
+from fsdp_bench.presets import PRESETS
+
+
+def test_seed_000_sharded_steady_state_and_lower_bound() -> None:
+    # 12 GB weights + 12 GB gradients + 72 GB optimizer state over 8 ranks: 12 GB per rank;
+    # plus a 3 GB largest unsharded group and a 3 GB prefetch: 18 GB before activations.
+    steady = steady_state_bytes(12 * GB, 12 * GB, 72 * GB, ranks=8)
+    assert steady == 12 * GB
+    assert peak_lower_bound(steady, largest_group=3 * GB, prefetch=3 * GB) == 18 * GB
+
+
+def test_seed_001_mixed_precision_adam_arithmetic() -> None:
+    # 16 bytes per parameter (bf16 weights and gradients, fp32 master, two Adam moments):
+    # 7B parameters need 112 GB unsharded; 70B over 16 ranks about 70 GB each.
+    assert steady_state_bytes(7e9 * 2, 7e9 * 2, 7e9 * 12, ranks=1) == 112 * GB
+    assert steady_state_bytes(70e9 * 2, 70e9 * 2, 70e9 * 12, ranks=16) == pytest.approx(70 * GB)
+
+
+def test_sharded_terms_divide_by_the_shard_group() -> None:
+    def terms(world_size: int) -> dict[str, float]:
+        run = RunConfig(world_size=world_size, model=ModelConfig(name="llama3-8b"))
+        return analytic_estimate(run).terms
+
+    eight, sixty_four = terms(8), terms(64)
+    params = PRESETS["llama3-8b"].num_params
+    assert eight["sharded_parameters"] == pytest.approx(params * 4 / 8, rel=1e-4)
+    assert eight["optimizer_state"] == pytest.approx(params * 8 / 8, rel=1e-4)
+    assert sixty_four["sharded_gradients"] == pytest.approx(
+        eight["sharded_gradients"] / 8, rel=1e-3
+    )
+    assert sixty_four["largest_unsharded_group"] == eight["largest_unsharded_group"]
+
+
+def test_knobs_move_the_terms_they_should() -> None:
+    base = RunConfig(
+        world_size=8, model=ModelConfig(name="llama3-1b"), data=DataConfig(seq_len=2048)
+    )
+
+    def with_(**changes: object) -> dict[str, float]:
+        fsdp = {k: v for k, v in changes.items() if k in FsdpConfig.__dataclass_fields__}
+        train = {k: v for k, v in changes.items() if k in TrainConfig.__dataclass_fields__}
+        run = RunConfig(
+            world_size=8, model=base.model, data=base.data,
+            fsdp=FsdpConfig(**fsdp), train=TrainConfig(**train),  # type: ignore[arg-type]
+        )  # fmt: skip
+        return analytic_estimate(run).terms
+
+    plain = with_()
+    assert (
+        with_(reshard_after_forward=False)["kept_unsharded_parameters"]
+        > 0
+        == plain["kept_unsharded_parameters"]
+    )
+    assert with_(prefetch=2)["prefetch_buffer"] == 2 * plain["prefetch_buffer"]
+    assert with_(activation_checkpointing="block")["activations"] < plain["activations"] / 4
+    assert with_(mixed_precision="bf16")["largest_unsharded_group"] == (
+        plain["largest_unsharded_group"] / 2
+    )
+    synced_last = with_(accumulation_steps=4, grad_sync="last")
+    # every group keeps its gradients, not just the largest (the 0.26B embedding of 1.24B)
+    assert synced_last["unsharded_gradients"] > 4 * plain["unsharded_gradients"]
+    assert with_(grouping="root")["largest_unsharded_group"] > plain["largest_unsharded_group"]
+    assert with_(optimizer="sgd")["optimizer_state"] == 0
