@@ -94,6 +94,9 @@ class MemoryReport:
 
     peak_bytes: int
     breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    module_peaks: dict[str, int] = field(default_factory=dict)
+    """Peak while each module ran: `<fqn> forward` / `<fqn> backward` -> bytes (last
+    micro-batch). The step's peak is the largest of these moments (or of the optimizer's)."""
 
 
 @dataclass
@@ -140,6 +143,21 @@ def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:
     memory.breakdown_bytes["ddp_gradient_buckets"] = buckets
 
 
+def _module_peaks(tracker: Any) -> dict[str, int]:
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    peaks: dict[str, int] = {}
+    for stats in tracker.memory_tracking.values():
+        for label, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW)):
+            totals = [
+                sum(per_device["Total"] for per_device in snapshot.values())
+                for snapshot in stats.snapshots.get(state, [])
+            ]
+            if totals:
+                peaks[f"{stats.mod_fqn} {label}"] = max(totals)
+    return peaks
+
+
 def _snapshot(tracker: Any) -> MemoryReport:
     snapshot: dict[Any, int] = {}
     for per_device in tracker.get_tracker_snapshot("peak").values():
@@ -148,7 +166,7 @@ def _snapshot(tracker: Any) -> MemoryReport:
             snapshot[name] = snapshot.get(name, 0) + value
     total = snapshot.pop("Total", sum(snapshot.values()))
     breakdown = {_category(name): value for name, value in snapshot.items() if value}
-    return MemoryReport(peak_bytes=total, breakdown_bytes=breakdown)
+    return MemoryReport(total, breakdown, _module_peaks(tracker))
 
 
 def _category(name: str) -> str:

@@ -15,6 +15,7 @@ small simulations give the slope and intercept.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,21 +44,26 @@ def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
     """Peak tracked memory of rank 0 of `run`, without running it."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     start = time.perf_counter()
-    layers = _extrapolation_layers(run) if extrapolate else None
-    if layers is None:
+    points = _settled_line(run) if extrapolate else None
+    if points is None:
         report = simulate_step(run)
         return SimulatedEstimate(
             report.peak_bytes, report.breakdown_bytes, "full", time.perf_counter() - start
         )
-    small, large = layers
-    a, b = (simulate_step(_with_layers(run, n)) for n in layers)
+    (small, a), (large, b) = points
     target = run.model.shape.n_layers
 
     def line(at_small: int, at_large: int) -> int:
         slope = (at_large - at_small) / (large - small)
         return round(at_small + slope * (target - small))
 
-    peak = line(a.peak_bytes, b.peak_bytes)
+    # Every moment of the step grows linearly with the blocks, but the largest one at the
+    # target size need not be the largest in the small models: take the largest line.
+    moments_a, moments_b = _moments(a, small), _moments(b, large)
+    peak = max(
+        [line(a.peak_bytes, b.peak_bytes)]
+        + [line(moments_a[k], moments_b[k]) for k in moments_a.keys() & moments_b.keys()]
+    )
     categories = a.breakdown_bytes.keys() | b.breakdown_bytes.keys()
     breakdown = {
         c: line(a.breakdown_bytes.get(c, 0), b.breakdown_bytes.get(c, 0)) for c in categories
@@ -70,6 +76,43 @@ def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
         breakdown = {c: round(v * scale) for c, v in b.breakdown_bytes.items()}
         method += f" (parts: the {large}-block model's, scaled)"
     return SimulatedEstimate(peak, breakdown, method, time.perf_counter() - start)
+
+
+# Extrapolation is trusted once two consecutive slopes agree this closely, measured by what
+# their difference would change at the target size.
+SETTLED = 0.002
+MAX_SMALL_MODELS = 6
+
+
+def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None:
+    """Two small block counts on the straight part of peak(blocks), simulated; None: simulate
+    the whole model (user models, uneven groups, or no straight part found cheaply).
+
+    The first few blocks can still change which moment of the step is the peak (70B: the
+    logits' gradient overtakes between 2 and 3 blocks), so slopes are compared until two
+    consecutive ones agree."""
+    if run.model.is_user_model:
+        return None
+    target = run.model.shape.n_layers
+    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
+    depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
+    if target % per_group:
+        return None
+    counts = [per_group * n for n in range(max(2, depth + 1), target // per_group)]
+    points: list[tuple[int, MemoryReport]] = []
+    spent = 0
+    for count in counts[:MAX_SMALL_MODELS]:
+        spent += count
+        if spent > target:  # as cheap to simulate it all
+            return None
+        points.append((count, simulate_step(_with_layers(run, count))))
+        if len(points) >= 3:
+            (n0, p0), (n1, p1), (n2, p2) = points[-3:]
+            slope_a = (p1.peak_bytes - p0.peak_bytes) / (n1 - n0)
+            slope_b = (p2.peak_bytes - p1.peak_bytes) / (n2 - n1)
+            if abs(slope_b - slope_a) * (target - n2) <= SETTLED * p2.peak_bytes:
+                return points[-2], points[-1]
+    return None
 
 
 def simulate_step(run: RunConfig) -> MemoryReport:
@@ -98,18 +141,20 @@ def simulate_step(run: RunConfig) -> MemoryReport:
     return memory
 
 
-def _extrapolation_layers(run: RunConfig) -> tuple[int, int] | None:
-    """Two small block counts that behave like the full model, or None to simulate it all."""
-    if run.model.is_user_model:
-        return None
-    target = run.model.shape.n_layers
-    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
-    depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
-    small = per_group * max(2, depth + 1)
-    large = small + per_group
-    if small + large > target or target % per_group:  # as cheap to simulate it all
-        return None
-    return small, large
+def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
+    """Module peaks under names that mean the same moment whatever the block count: the first
+    and the last block (the middle ones lie between them), and the modules outside blocks."""
+    moments = {}
+    for key, value in report.module_peaks.items():
+        match = re.search(r"\.layers\.(\d+)(?=[. ])", key)
+        if match:
+            index = int(match.group(1))
+            if index not in (0, n_layers - 1):
+                continue
+            where = "first" if index == 0 else "last"
+            key = key[: match.start(1)] + where + key[match.end(1) :]
+        moments[key] = value
+    return moments
 
 
 def _with_layers(run: RunConfig, n_layers: int) -> RunConfig:

@@ -51,7 +51,7 @@ def test_extrapolation_matches_full_simulation() -> None:
     ):
         run = RunConfig(
             world_size=16,
-            model=ModelConfig(name="small", n_layers=12),
+            model=ModelConfig(name="small", n_layers=24),
             data=DataConfig(micro_batch_size=2, seq_len=256),
             fsdp=fsdp,
         )

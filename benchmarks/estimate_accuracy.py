@@ -1,0 +1,89 @@
+"""Memory estimates: accuracy against measured peaks, and how long estimating takes.
+
+1. Runs a grid (default: the quickstart) and prints, per run, the analytic and simulated
+   estimates next to the measured peak (tracked tensors on CPU, max_memory_allocated on CUDA)
+   and the error of each (target for simulated: <= 5%).
+2. Times the simulated estimate for Llama-3 1B, 8B and 70B shapes (bf16, block activation
+   checkpointing, sequence 4096, micro-batch 1) at world sizes 8, 64 and 1,024 (target for 8B
+   at 64 ranks: < 10 s), and once without extrapolation for 8B at 64 ranks.
+
+    python benchmarks/estimate_accuracy.py
+    python benchmarks/estimate_accuracy.py sweeps/quickstart.yaml --skip-timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from fsdp_bench import load_results
+from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.grid import load_grid
+from fsdp_bench.report import varying_axes
+from fsdp_bench.simulate import simulate
+from fsdp_bench.sweep import SweepOptions, run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def accuracy(grid: Path) -> None:
+    spec = load_grid(grid)
+    with tempfile.TemporaryDirectory() as folder:
+        run_sweep(spec, SweepOptions(results_dir=Path(folder), progress=False))
+        df = load_results(folder)
+    df = df[df.status == "ok"].copy()
+    df["analytic_err"] = 100 * (df.analytic_peak_gib / df.peak_memory_gib - 1)
+    df["simulated_err"] = 100 * (df.estimated_peak_gib / df.peak_memory_gib - 1)
+    mib = 1024
+    table = df[["run_id", *varying_axes(df)]].copy()
+    table["analytic MiB"] = (df.analytic_peak_gib * mib).round(2)
+    table["simulated MiB"] = (df.estimated_peak_gib * mib).round(2)
+    table["measured MiB"] = (df.peak_memory_gib * mib).round(2)
+    table["analytic err %"] = df.analytic_err.round(1)
+    table["simulated err %"] = df.simulated_err.round(2)
+    print(table.to_string(index=False))
+    print(
+        f"simulated: max |error| {df.simulated_err.abs().max():.2f}%, "
+        f"mean {df.simulated_err.abs().mean():.2f}% (target <= 5%); "
+        f"analytic: max |error| {df.analytic_err.abs().max():.1f}%, "
+        f"mean {df.analytic_err.abs().mean():.1f}%  [{df.device.iloc[0]}, {len(df)} runs]"
+    )
+
+
+def timing() -> None:
+    print("\nmodel       world  estimate GiB/rank  wall s  method")
+    for name in ("llama3-1b", "llama3-8b", "llama3-70b"):
+        for world_size in (8, 64, 1024):
+            estimate = simulate(_big_run(name, world_size))
+            print(
+                f"{name:10s} {world_size:6d} {estimate.peak_bytes / 1024**3:18.2f}"
+                f" {estimate.wall_s:7.1f}  {estimate.method}"
+            )
+    full = simulate(_big_run("llama3-8b", 64), extrapolate=False)
+    print(f"llama3-8b      64 {full.peak_bytes / 1024**3:18.2f} {full.wall_s:7.1f}  full")
+
+
+def _big_run(name: str, world_size: int) -> RunConfig:
+    return RunConfig(
+        world_size=world_size,
+        model=ModelConfig(name=name),
+        data=DataConfig(micro_batch_size=1, seq_len=4096),
+        fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing="block"),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("grid", nargs="?", default=str(REPO / "sweeps" / "quickstart.yaml"))
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    accuracy(Path(args.grid))
+    if not args.skip_timing:
+        timing()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
