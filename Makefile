@@ -34,6 +34,7 @@ benchmarks: install
 	$(BIN)/python benchmarks/harness_overhead.py
 	$(BIN)/python benchmarks/orchestration_overhead.py
 	$(BIN)/python benchmarks/slurm_overhead.py
+	$(BIN)/python benchmarks/estimate_accuracy.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
