@@ -2,7 +2,8 @@
 
 Runs one grid twice in the same invocation: packed (runs of one world size share a job, the
 default) and one fresh job per run (process start, `import torch` and the process group paid
-every time). Overhead per run = (sweep wall time - sum of warm-up and timed step time) / runs.
+every time). Overhead per run = (sweep wall time - memory estimation before launch - sum of
+warm-up and timed step time) / runs; the estimation time is printed on its own.
 
     python benchmarks/orchestration_overhead.py                       # sweeps/quickstart.yaml
     python benchmarks/orchestration_overhead.py sweeps/quickstart.yaml --only packed
@@ -42,8 +43,9 @@ def measure(grid_path: Path, runs_per_job: int | None) -> dict[str, float]:
         "runs": runs,
         "ok": outcome.statuses.get("ok", 0),
         "wall_s": wall,
+        "estimate_s": outcome.estimate_s,
         "stepping_s": stepping,
-        "overhead_per_run_s": (wall - stepping) / runs,
+        "overhead_per_run_s": (wall - outcome.estimate_s - stepping) / runs,
         "setup_per_run_s": float(df.setup_s.mean()),
     }
 
@@ -58,11 +60,13 @@ def main() -> int:
         modes = {args.only: modes[args.only]}
     figures = {name: measure(Path(args.grid), per_job) for name, per_job in modes.items()}
     print(f"grid {args.grid}")
-    print("mode      runs  ok   wall s  in steps s  overhead s/run  model setup s/run")
+    print(
+        "mode      runs  ok   wall s  estimating s  in steps s  overhead s/run  model setup s/run"
+    )
     for name, f in figures.items():
         print(
-            f"{name:8s} {f['runs']:5.0f} {f['ok']:3.0f} {f['wall_s']:8.1f} {f['stepping_s']:11.1f}"
-            f" {f['overhead_per_run_s']:15.3f} {f['setup_per_run_s']:18.3f}"
+            f"{name:8s} {f['runs']:5.0f} {f['ok']:3.0f} {f['wall_s']:8.1f} {f['estimate_s']:13.1f}"
+            f" {f['stepping_s']:11.1f} {f['overhead_per_run_s']:15.3f} {f['setup_per_run_s']:18.3f}"
         )
     if len(figures) == 2:
         ratio = figures["per-run"]["wall_s"] / figures["packed"]["wall_s"]

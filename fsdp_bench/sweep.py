@@ -42,6 +42,8 @@ class SweepOutcome:
     already_recorded: int
     recorded: int = 0
     statuses: Counter[str] = field(default_factory=Counter)
+    estimate_s: float = 0.0
+    """Wall time spent estimating memory before launching (0 when all were cached)."""
 
 
 def results_dir_for(spec: SweepSpec, override: Path | None) -> Path:
@@ -68,7 +70,9 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     watched = _reattach(ledger, launcher, {r.run_id: r for r in runs})
     busy = {r.run_id for w in watched for r in w.runs}
     todo = [r for r in runs if r.run_id not in done and r.run_id not in busy]
+    started = time.perf_counter()
     estimates = _estimate(todo, store, options.progress)
+    outcome.estimate_s = time.perf_counter() - started
 
     bar = _progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
     driver = Driver(
