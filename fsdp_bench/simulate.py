@@ -99,11 +99,13 @@ def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None
     if target % per_group:
         return None
     counts = [per_group * n for n in range(max(2, depth + 1), target // per_group)]
+    if sum(counts[:3]) > target:  # three small models would cost more than the whole one
+        return None
     points: list[tuple[int, MemoryReport]] = []
     spent = 0
     for count in counts[:MAX_SMALL_MODELS]:
         spent += count
-        if spent > target:  # as cheap to simulate it all
+        if spent > target:
             return None
         points.append((count, simulate_step(_with_layers(run, count))))
         if len(points) >= 3:
