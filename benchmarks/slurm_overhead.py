@@ -43,7 +43,8 @@ def submission_time(runs: int) -> tuple[float, int, int]:
         "axes": {"data.seed": list(range(runs))},
         "launcher": {"cluster": "testbed", "max_runs_per_job": 1, "max_jobs_in_flight": runs},
     }
-    with tempfile.TemporaryDirectory() as folder:
+    # cancelled jobs may still write their logs while the folder goes away
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
         start = time.perf_counter()
         spec = parse_grid(grid, source=str(REPO / "sweeps" / "submit.yaml"))
         store = ResultStore(folder)
