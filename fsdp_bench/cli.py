@@ -6,6 +6,7 @@ import argparse
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from fsdp_bench.errors import FsdpBenchError
 
@@ -76,7 +77,27 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="machine-readable output")
     estimate.set_defaults(handler=_estimate)
 
-    for command in (sweep, estimate):
+    search = commands.add_parser(
+        "search", help="optuna: the fastest configuration of a grid's axes that fits a budget"
+    )
+    search.add_argument("grid", nargs="?", help=f"grid YAML file (default: {DEFAULT_GRID})")
+    search.add_argument("--budget-gib", type=float, help="memory per rank (memory.budget_gib)")
+    search.add_argument("--trials", type=int, help="trials in the study (search.trials)")
+    search.add_argument("--parallel", type=int, help="trials in flight (search.parallel)")
+    search.add_argument("--sampler", choices=["tpe", "random", "grid", "gp"])
+    search.add_argument("--seed", type=int)
+    search.add_argument("--metric", help="results column to optimise (search.metric)")
+    search.add_argument(
+        "--multi-objective", action="store_true", help="optimise the metric and peak memory"
+    )
+    search.add_argument("--storage", help="optuna storage URL (default: a journal file)")
+    search.add_argument("--results", type=Path, help="results folder (default: results/<name>)")
+    search.add_argument("--no-prune", action="store_true", help="launch predicted OOMs too")
+    search.add_argument("--verify", action="store_true", help="parity check before timing")
+    search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.set_defaults(handler=_search)
+
+    for command in (sweep, estimate, search):
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
         )
@@ -124,6 +145,51 @@ def _estimate(args: argparse.Namespace) -> int:
     spec = load_grid(_grid_path(args.grid))
     print(views.describe_estimates(spec, args.results, args.json))
     return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from fsdp_bench import views
+    from fsdp_bench.grid import load_grid
+    from fsdp_bench.search import SearchOptions, run_search
+
+    spec = load_grid(_grid_path(args.grid))
+    overrides = {
+        key: getattr(args, key)
+        for key in ("trials", "parallel", "sampler", "seed", "metric")
+        if getattr(args, key) is not None
+    }
+    if args.multi_objective:
+        overrides["multi_objective"] = True
+    spec = dataclasses.replace(spec, search=_replace_checked(spec.search, overrides))
+    if args.budget_gib is not None:
+        memory = _replace_checked(spec.memory, {"budget_gib": args.budget_gib})
+        spec = dataclasses.replace(spec, memory=memory)
+    options = SearchOptions(
+        results_dir=args.results,
+        storage=args.storage,
+        prune=not args.no_prune,
+        verify=args.verify,
+        progress=not args.no_progress,
+    )
+    outcome = run_search(spec, options)
+    print(views.describe_search(outcome, spec))
+    return 0
+
+
+def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
+    """A config with command-line values, validated like the grid's (one-line errors that
+    name the flag)."""
+    import dataclasses
+
+    from fsdp_bench.errors import FieldError
+
+    try:
+        return dataclasses.replace(config, **changes)
+    except FieldError as err:
+        err.key = "--" + err.key.replace("_", "-")
+        raise err.located("") from None
 
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:

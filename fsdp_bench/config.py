@@ -313,6 +313,27 @@ class MemoryConfig:
             raise bad_value("margin_gib", self.margin_gib, "expected a number >= 0 (GiB)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """`fsdp-bench search`: optuna samples the grid's axes instead of enumerating them."""
+
+    metric: str = "tokens_per_s"
+    """A numeric results column to optimise (tokens_per_s, mfu, step_time_s, ...)."""
+    direction: Literal["maximize", "minimize"] = "maximize"
+    trials: int = 20
+    """Trials in the study (a rerun with more trials continues it)."""
+    parallel: int = 1
+    """Trials in flight at once on the launcher."""
+    sampler: Literal["tpe", "random", "grid", "gp"] = "tpe"
+    seed: int | None = None
+    multi_objective: bool = False
+    """Optimise the metric and peak memory together; report the Pareto front."""
+
+    def __post_init__(self) -> None:
+        at_least(self, "trials", 1)
+        at_least(self, "parallel", 1)
+
+
 def at_least(obj: object, key: str, minimum: int) -> None:
     value = getattr(obj, key)
     if value < minimum:
@@ -332,5 +353,6 @@ __all__ = [
     "MemoryConfig",
     "ModelConfig",
     "RunConfig",
+    "SearchConfig",
     "TrainConfig",
 ]

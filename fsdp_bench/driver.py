@@ -88,10 +88,27 @@ class Driver:
         self.interruptions: Counter[str] = Counter()
         self.seen: set[str] = set()
 
-    def run(self, launcher: Launcher, watched: list[Watched], packs: list[list[RunConfig]]) -> None:
-        """Until every pack has run: fill free slots, poll, reconcile jobs that ended."""
+    def run(
+        self,
+        launcher: Launcher,
+        watched: list[Watched],
+        packs: list[list[RunConfig]],
+        supply: Callable[[int], list[list[RunConfig]] | None] | None = None,
+    ) -> None:
+        """Until every pack has run: fill free slots, poll, reconcile jobs that ended.
+
+        `supply(free_slots)` hands out more packs as slots free up (a search asks its sampler
+        then), [] for none yet, None once it never will again."""
         poll_s = self.spec.launcher.poll_s
-        while watched or packs:
+        exhausted = supply is None
+        while watched or packs or not exhausted:
+            free = launcher.max_jobs_in_flight - len(watched) - len(packs)
+            if not exhausted and free > 0:
+                more = supply(free)  # type: ignore[misc]
+                exhausted = more is None
+                packs += more or []
+                if not (watched or packs):
+                    continue
             self.fill(launcher, watched, packs)
             time.sleep(poll_s)
             states = launcher.poll([w.job for w in watched])

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from fsdp_bench.config import MemoryConfig, RunConfig, canonical_grouping
+from fsdp_bench.config import MemoryConfig, RunConfig, SearchConfig, canonical_grouping
 from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
 from fsdp_bench.launcher_config import LauncherConfig
 from fsdp_bench.schema import bad_value, build, coerce, field_paths
@@ -42,6 +42,7 @@ class SweepSpec:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The per-rank memory budget runs are estimated against."""
+    search: SearchConfig = field(default_factory=SearchConfig)
     source: str = "<grid>"
     """Where the grid came from (for messages and provenance)."""
 
@@ -55,7 +56,7 @@ class Expansion:
     collapsed: int
 
 
-_TOP_KEYS = ("name", "description", "base", "axes", "exclude", "memory", "launcher")
+_TOP_KEYS = ("name", "description", "base", "axes", "exclude", "memory", "search", "launcher")
 
 
 def load_grid(path: str | Path) -> SweepSpec:
@@ -113,6 +114,10 @@ def _parse(data: object, source: str) -> SweepSpec:
         memory = build(MemoryConfig, data.get("memory") or {})
     except FieldError as err:
         raise err.under("memory") from None
+    try:
+        search = build(SearchConfig, data.get("search") or {})
+    except FieldError as err:
+        raise err.under("search") from None
     return SweepSpec(
         name=name,
         description=description,
@@ -121,6 +126,7 @@ def _parse(data: object, source: str) -> SweepSpec:
         exclude=exclude,
         launcher=launcher,
         memory=memory,
+        search=search,
         source=source,
     )
 
@@ -272,6 +278,24 @@ def expand(spec: SweepSpec) -> Expansion:
             run = _build_point(spec, point).canonical()
             runs.setdefault(run.run_id, run)
     return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
+
+
+def search_space(spec: SweepSpec) -> dict[str, tuple[Any, ...]]:
+    """Every axis key with every value any product lists for it (a search samples each key)."""
+    space: dict[str, list[Any]] = {}
+    for product in spec.axes:
+        for key, values in product.items():
+            known = space.setdefault(key, [])
+            known += [v for v in values if not any(_same(v, k) for k in known)]
+    return {key: tuple(values) for key, values in space.items()}
+
+
+def build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig | None:
+    """The run of one point of the search space; None when an exclude rule drops it."""
+    base_run = build(RunConfig, spec.base)
+    if any(_matches(rule, point, base_run) for rule in spec.exclude):
+        return None
+    return _build_point(spec, point).canonical()
 
 
 def axis_keys(spec: SweepSpec) -> list[str]:

@@ -152,6 +152,8 @@ def non_default_fields(obj: Any) -> dict[str, Any]:
             continue
         # type check too: True == 1, but they are different settings
         default = field.default
+        if field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
         if default is not dataclasses.MISSING and value == default and type(value) is type(default):
             continue
         out[field.name] = list(value) if isinstance(value, tuple) else value

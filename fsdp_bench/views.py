@@ -6,13 +6,21 @@ import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import yaml
+
+from fsdp_bench.config import RunConfig
 from fsdp_bench.driver import pack_runs
 from fsdp_bench.errors import yaml_scalar
 from fsdp_bench.estimates import estimate_runs, overhead, predicted_oom
 from fsdp_bench.grid import SweepSpec, axis_keys, expand, get_path
 from fsdp_bench.results import ResultStore
+from fsdp_bench.schema import build, non_default_fields
 from fsdp_bench.sweep import results_dir_for, sweep_status
+
+if TYPE_CHECKING:
+    from fsdp_bench.search import SearchOutcome
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
@@ -103,3 +111,57 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
 
 def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> str:
+    """Counts, the best feasible configuration (YAML and fully_shard calls), the top runs,
+    and the Pareto front when two objectives were searched."""
+    from fsdp_bench.codegen import fully_shard_code
+    from fsdp_bench.report import format_ranking, ranking
+    from fsdp_bench.results import load_results
+    from fsdp_bench.search import best_feasible, pareto_front
+
+    store = ResultStore(outcome.results_dir)
+    c = outcome.counts
+    trials = outcome.study.get_trials(deepcopy=False)
+    lines = [
+        f"search {spec.name}: {len(trials)} trials in {outcome.results_dir / 'study.journal'}; "
+        f"this session: {c['launched']} run, {c['pruned']} pruned by the estimate, "
+        f"{c['infeasible']} infeasible when measured, {c['failed']} failed, "
+        f"{c['from_store']} answered from the results store, {c['excluded']} excluded"
+    ]
+    best = best_feasible(outcome.study, store, spec)
+    budget = spec.memory.budget_gib
+    if best is None:
+        lines.append("no feasible configuration yet")
+        return "\n".join(lines)
+    trial, value = best
+    result = store.get(str(trial.user_attrs["run_id"]))
+    assert result is not None
+    fits = f" of a {budget:g} GiB budget" if budget is not None else ""
+    lines.append(
+        f"best feasible: {spec.search.metric} {value:,.6g} (trial {trial.number}, run "
+        f"{result.run_id}), peak {result.peak_memory_gib:.3f} GiB per rank{fits}"
+    )
+    run = build(RunConfig, result.config)
+    lines += [
+        "",
+        "as a grid base (YAML):",
+        _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
+    ]
+    lines += ["in your training script (Python):", _indent(fully_shard_code(run))]
+    finished = {str(t.user_attrs["run_id"]) for t in trials if "run_id" in t.user_attrs}
+    table = ranking(load_results(outcome.results_dir), finished)
+    lines += [f"top {top} of {len(table)} runs:", format_ranking(table.head(top))]
+    if spec.search.multi_objective:
+        front = pareto_front(outcome.study, store, spec)
+        front_ids = [t.user_attrs["run_id"] for t in sorted(front, key=lambda t: t.values[1])]
+        lines += [
+            "Pareto front (tokens vs peak memory):",
+            *(f"  {run_id}" for run_id in front_ids),
+        ]
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines()) + "\n"

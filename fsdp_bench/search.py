@@ -1,0 +1,352 @@
+"""`fsdp-bench search`: optuna finds the fastest configuration that fits the memory budget.
+
+A search is a sweep that samples instead of enumerating: the same expansion rules, launcher,
+worker and results store. Before a trial costs a run, three cheaper answers are tried: a
+point an exclude rule drops is a failed trial; a configuration already in the results store
+is told its recorded result; one the estimator predicts over budget is recorded `skipped` and
+told as infeasible. Only the rest run, up to `parallel` at a time, each told the moment its
+record lands and replaced by a new ask at once.
+
+Feasibility goes through optuna's `constraints_func` (peak + overhead + margin - budget <= 0),
+so an OOM or an over-budget peak teaches the sampler where not to go instead of being a
+failure it keeps proposing. Errors and timeouts are failed trials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from fsdp_bench.config import MemoryConfig, RunConfig, SearchConfig
+from fsdp_bench.driver import Driver, Ledger, Watched
+from fsdp_bench.errors import ConfigError, FieldError
+from fsdp_bench.estimates import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.grid import SweepSpec, build_point, search_space
+from fsdp_bench.launchers import make_launcher
+from fsdp_bench.results import ResultStore, RunResult
+from fsdp_bench.sweep import results_dir_for
+
+INFEASIBLE_STATUSES = ("oom", "skipped")
+
+
+@dataclass
+class SearchOptions:
+    results_dir: Path | None = None
+    storage: str | None = None
+    """An optuna storage URL; default: a journal file beside the results (optuna-dashboard
+    reads it)."""
+    prune: bool = True
+    """Ask the estimator before launching; trials predicted over budget cost no run."""
+    verify: bool = False
+    progress: bool = True
+
+
+@dataclass
+class SearchOutcome:
+    study: optuna.Study
+    results_dir: Path
+    counts: Counter[str] = field(default_factory=Counter)
+    """launched, pruned (predicted over budget), infeasible (measured), failed, from_store,
+    excluded: how each trial was answered."""
+
+
+def run_search(spec: SweepSpec, options: SearchOptions) -> SearchOutcome:
+    settings = spec.search
+    store = ResultStore(results_dir_for(spec, options.results_dir))
+    study = open_study(spec, store, options.storage)
+    launcher = make_launcher(
+        dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel), store.jobs_dir
+    )
+    spec = dataclasses.replace(
+        spec, launcher=dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel)
+    )
+    ledger = Ledger(store.jobs_dir / "ledger.json")
+    searcher = Searcher(spec, study, store, options)
+    driver = Driver(store, ledger, spec, options.verify, on_record=searcher.on_record)
+    searcher.driver = driver
+    watched = searcher.recover(ledger, launcher)
+    for item in watched:
+        driver.estimates.update(searcher.estimate_pairs(item.runs))
+    try:
+        driver.run(launcher, watched, [], supply=searcher.supply)
+    except KeyboardInterrupt:
+        if launcher.kind == "local":
+            for item in watched:
+                item.job.cancel()
+                ledger.close(item.job.job_id)
+        raise
+    finally:
+        searcher.close()
+    return SearchOutcome(study, store.root, searcher.counts)
+
+
+def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> optuna.Study:
+    """The grid's study, created or loaded (a rerun continues it)."""
+    storage: Any = storage_url
+    if storage is None:
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        store.root.mkdir(parents=True, exist_ok=True)
+        storage = JournalStorage(JournalFileBackend(str(store.root / "study.journal")))
+    settings = spec.search
+    directions = [settings.direction] + (["minimize"] if settings.multi_objective else [])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=spec.name,
+        storage=storage,
+        sampler=make_sampler(spec),
+        directions=directions,
+        load_if_exists=True,
+    )
+
+
+def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
+    """Constraint-aware samplers read each trial's `memory` constraint (set when told)."""
+    settings = spec.search
+    match settings.sampler:
+        case "tpe":
+            return optuna.samplers.TPESampler(
+                seed=settings.seed,
+                multivariate=True,
+                n_startup_trials=min(10, max(3, settings.trials // 5)),
+            )
+        case "random":
+            return optuna.samplers.RandomSampler(seed=settings.seed)
+        case "grid":
+            space = {k: list(v) for k, v in search_space(spec).items()}
+            return optuna.samplers.GridSampler(space, seed=settings.seed)
+        case "gp":
+            if settings.multi_objective:
+                raise ConfigError("search.sampler: 'gp' is single-objective; use tpe or random")
+            return optuna.samplers.GPSampler(seed=settings.seed)
+        case other:
+            raise ConfigError(f"search.sampler: {other!r} is not supported")
+
+
+def constraint_value(result: RunResult, memory: MemoryConfig, extra: Overhead) -> float:
+    """Peak + overhead + margin - budget, in GiB: > 0 means it did not, or would not, fit."""
+    if memory.budget_gib is None:
+        return 1.0 if result.status == "oom" else 0.0
+    peak = result.peak_memory_gib if result.status == "ok" else result.estimated_peak_gib
+    if peak is None:  # an OOM whose size nobody knows: at the budget, just over
+        return 1e-3
+    value = peak + extra.gib + memory.margin_gib - memory.budget_gib
+    return max(value, 1e-3) if result.status in INFEASIBLE_STATUSES else value
+
+
+class Searcher:
+    """Asks optuna for points, answers them as cheaply as possible, tells the results."""
+
+    def __init__(
+        self, spec: SweepSpec, study: optuna.Study, store: ResultStore, options: SearchOptions
+    ) -> None:
+        self.spec = spec
+        self.settings: SearchConfig = spec.search
+        self.study = study
+        self.store = store
+        self.options = options
+        self.space = search_space(spec)
+        if not self.space:
+            raise ConfigError(f"{spec.source}: axes: a search needs at least one axis")
+        self.extra = overhead(spec.memory, store)
+        self.driver: Driver | None = None
+        self.pending: dict[str, list[optuna.trial.Trial]] = {}
+        self.watched_runs: set[str] = set()
+        """Runs in jobs an earlier driver submitted: a trial asking for one waits for it."""
+        self.counts: Counter[str] = Counter()
+        self.bar: Any = None
+        if options.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.settings.trials, unit="trial", desc=spec.name)
+            self.bar.update(min(self._finished(), self.settings.trials))
+
+    # the driver's hooks
+
+    def supply(self, free: int) -> list[list[RunConfig]] | None:
+        """Up to `free` runs to launch; None when the trial budget is spent."""
+        runs: list[RunConfig] = []
+        while len(runs) < free and self._asked() < self.settings.trials:
+            run = self._ask()
+            if run is not None:
+                runs.append(run)
+        if not runs and self._asked() >= self.settings.trials:
+            return None
+        return [[run] for run in runs]
+
+    def on_record(self, result: RunResult) -> None:
+        self.watched_runs.discard(result.run_id)
+        for trial in self.pending.pop(result.run_id, []):
+            self._tell(trial, result)
+
+    # asking
+
+    def _ask(self) -> RunConfig | None:
+        """One trial; the run to launch, or None when it was answered without one."""
+        trial = self.study.ask()
+        point = {k: trial.suggest_categorical(k, list(v)) for k, v in self.space.items()}
+        try:
+            run = build_point(self.spec, point)
+        except FieldError as err:
+            self._fail(trial, "excluded", f"not a valid run: {err}")
+            return None
+        if run is None:
+            self._fail(trial, "excluded", "an exclude rule drops this point")
+            return None
+        trial.set_user_attr("run_id", run.run_id)
+        recorded = self.store.get(run.run_id)
+        if recorded is not None:
+            self.counts["from_store"] += 1
+            self._tell(trial, recorded, count=False)
+            return None
+        if run.run_id in self.pending or run.run_id in self.watched_runs:
+            self.pending.setdefault(run.run_id, []).append(trial)  # in flight already
+            return None
+        self.pending[run.run_id] = [trial]
+        estimate = self._estimate(run)
+        reason = predicted_oom(estimate, self.spec.memory, self.extra) if self.options.prune else ""
+        assert self.driver is not None
+        self.driver.estimates[run.run_id] = (estimate.simulated_gib, estimate.analytic_gib)
+        if reason:
+            self.counts["pruned"] += 1
+            self.driver.record_unlaunched(run, "skipped", reason, {"trial": trial.number})
+            return None
+        self.counts["launched"] += 1
+        return run
+
+    def _estimate(self, run: RunConfig) -> RunEstimate:
+        return estimate_runs([run], self.store.root / "estimates")[run.run_id]
+
+    def estimate_pairs(self, runs: list[RunConfig]) -> dict[str, tuple[float | None, float | None]]:
+        found = estimate_runs(runs, self.store.root / "estimates")
+        return {k: (e.simulated_gib, e.analytic_gib) for k, e in found.items()}
+
+    # telling
+
+    def _tell(self, trial: optuna.trial.Trial, result: RunResult, count: bool = True) -> None:
+        """Values for a run that happened (or was predicted not to fit); FAIL for errors."""
+        if result.status != "ok" and result.status not in INFEASIBLE_STATUSES:
+            first_line = result.reason.splitlines()[0] if result.reason else ""
+            self._fail(trial, "failed", f"{result.status}: {first_line}")
+            return
+        value = getattr(result, self.settings.metric, None) if result.status == "ok" else None
+        if value is None:
+            value = 0.0 if self.settings.direction == "maximize" else math.inf
+        values = [float(value)]
+        if self.settings.multi_objective:
+            values.append(float(result.peak_memory_gib or result.estimated_peak_gib or math.inf))
+        constraint = constraint_value(result, self.spec.memory, self.extra)
+        if count and constraint > 0 and result.status != "skipped":
+            self.counts["infeasible"] += 1  # measured: an OOM, or a peak over the budget
+        trial.set_constraint("memory", constraint)
+        self.study.tell(trial, values)
+        self._advance()
+
+    def _fail(self, trial: optuna.trial.Trial, kind: str, reason: str) -> None:
+        self.counts[kind] += 1
+        trial.set_user_attr("failure", reason)
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        self._advance()
+
+    def _advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def _postfix(self) -> str:
+        counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        best = best_feasible(self.study, self.store, self.spec)
+        shown = f" | best {best[1]:,.4g}" if best else ""
+        return f"{counts} in flight={sum(map(len, self.pending.values()))}{shown}"
+
+    # restart
+
+    def recover(self, ledger: Ledger, launcher: Any) -> list[Watched]:
+        """After a restart: trials the earlier driver left running are asked again (their
+        first asking is set aside, never counted twice); their runs, if still in a job, are
+        followed there rather than launched again."""
+        running = (optuna.trial.TrialState.RUNNING,)
+        for frozen in self.study.get_trials(deepcopy=False, states=running):
+            abandoned = self.study.user_attrs.get("abandoned_trials", [])
+            self.study.set_user_attr("abandoned_trials", [*abandoned, frozen.number])
+            self.study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
+            self.study.enqueue_trial(dict(frozen.params), skip_if_exists=False)
+        watched = []
+        for entry in ledger.open_jobs(launcher.kind):
+            runs = [r for r in map(self._run_of_id, entry["run_ids"]) if r is not None]
+            watched.append(Watched(job=launcher.reattach(entry["job_id"]), runs=runs))
+            self.watched_runs.update(r.run_id for r in runs)
+        return watched
+
+    def _run_of_id(self, run_id: str) -> RunConfig | None:
+        """The configuration of a run the ledger names (from the trial that asked for it)."""
+        for trial in self.study.get_trials(deepcopy=False):
+            if trial.user_attrs.get("run_id") == run_id:
+                return build_point(self.spec, dict(trial.params))
+        return None
+
+    def _counted(self) -> list[optuna.trial.FrozenTrial]:
+        """Trials that count against the budget (an abandoned one is asked again)."""
+        abandoned = set(self.study.user_attrs.get("abandoned_trials", []))
+        return [t for t in self.study.get_trials(deepcopy=False) if t.number not in abandoned]
+
+    def _asked(self) -> int:
+        return len(self._counted())
+
+    def _finished(self) -> int:
+        return sum(1 for t in self._counted() if t.state.is_finished())
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def best_feasible(
+    study: optuna.Study, store: ResultStore, spec: SweepSpec
+) -> tuple[optuna.trial.FrozenTrial, float] | None:
+    """The best trial whose run ran and fits (optuna's best_trial ignores constraints)."""
+    maximize = spec.search.direction == "maximize"
+    extra = overhead(spec.memory, store)
+    best: tuple[optuna.trial.FrozenTrial, float] | None = None
+    for trial, result in _completed(study, store):
+        if result.status != "ok" or constraint_value(result, spec.memory, extra) > 0:
+            continue
+        value = trial.values[0]
+        if best is None or (value > best[1] if maximize else value < best[1]):
+            best = (trial, value)
+    return best
+
+
+def _completed(
+    study: optuna.Study, store: ResultStore
+) -> list[tuple[optuna.trial.FrozenTrial, RunResult]]:
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    pairs = [(t, store.get(str(t.user_attrs.get("run_id")))) for t in done]
+    return [(t, r) for t, r in pairs if r is not None]
+
+
+def pareto_front(
+    study: optuna.Study, store: ResultStore, spec: SweepSpec
+) -> list[optuna.trial.FrozenTrial]:
+    """Feasible trials that no other feasible trial beats on both objectives."""
+    extra = overhead(spec.memory, store)
+    feasible = [
+        t
+        for t, r in _completed(study, store)
+        if r.status == "ok" and constraint_value(r, spec.memory, extra) <= 0 and len(t.values) == 2
+    ]
+    signs = [1 if d == optuna.study.StudyDirection.MAXIMIZE else -1 for d in study.directions]
+
+    def dominates(a: optuna.trial.FrozenTrial, b: optuna.trial.FrozenTrial) -> bool:
+        pairs = [(s * x, s * y) for s, x, y in zip(signs, a.values, b.values, strict=True)]
+        return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
+
+    unique = {t.user_attrs["run_id"]: t for t in feasible}.values()
+    return [t for t in unique if not any(dominates(o, t) for o in unique if o is not t)]

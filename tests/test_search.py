@@ -1,0 +1,225 @@
+"""`fsdp-bench search`: optuna over a grid's axes, on the local launcher with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bench.codegen import fully_shard_code
+from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.grid import load_grid
+from fsdp_bench.memory import GIB
+from fsdp_bench.models import build_model
+from fsdp_bench.results import ResultStore, RunResult
+from fsdp_bench.schema import to_plain
+from fsdp_bench.search import SearchOptions, best_feasible, open_study, run_search
+from fsdp_bench.training import loss_fn, rank_batches
+from tests.conftest import REPO, started_counts, write_grid
+
+GRID = {
+    "name": "search",
+    "base": {
+        "world_size": 2,
+        "model": {"name": "tiny"},
+        "data": {"micro_batch_size": 2},
+        "measure": {"warmup_steps": 1, "timed_steps": 2, "repeats": 1},
+    },
+    "axes": {
+        "fsdp.grouping": ["root", "block", "linear"],
+        "fsdp.reshard_after_forward": ["default", False],
+        "fsdp.mixed_precision": ["fp32", "bf16"],
+    },
+    # tracked peaks per rank: 16-26 MiB; 21 MiB keeps fp32 root and reshard false out
+    "memory": {"budget_gib": 0.0205},
+    "search": {"trials": 10, "seed": 1},
+    "launcher": {"collective_timeout_s": 30},
+}
+
+
+def search(folder: Path, grid: dict[str, Any], **options: Any) -> Any:
+    spec = load_grid(write_grid(folder, grid))
+    return spec, run_search(
+        spec, SearchOptions(results_dir=folder / "r", progress=False, **options)
+    )
+
+
+@pytest.mark.slow
+def test_search_finds_a_feasible_best_and_never_launches_a_predicted_oom(tmp_path: Path) -> None:
+    spec, outcome = search(tmp_path, GRID)
+    store = ResultStore(outcome.results_dir)
+    records = {r.run_id: r for r in store.results()}
+    skipped = {i for i, r in records.items() if r.status == "skipped"}
+    launched = set(started_counts(outcome.results_dir))
+    assert skipped, "the budget excludes part of the space"
+    assert not skipped & launched, "a predicted OOM was launched"
+    assert all(records[i].reason.startswith("predicted_oom") for i in skipped)
+    assert outcome.counts["pruned"] == len(skipped)
+    best = best_feasible(outcome.study, store, spec)
+    assert best is not None
+    best_record = records[best[0].user_attrs["run_id"]]
+    assert best_record.status == "ok" and best_record.peak_memory_gib <= 0.0205
+    assert len(outcome.study.trials) == 10
+    infeasible = [t for t in outcome.study.trials if t.constraints.get("memory", 0) > 0]
+    assert {t.user_attrs["run_id"] for t in infeasible} <= skipped
+    assert (outcome.results_dir / "study.journal").exists()
+
+
+@pytest.mark.slow
+def test_search_resumes_after_a_kill_without_repeating(tmp_path: Path) -> None:
+    grid = {**GRID, "search": {"trials": 6, "seed": 2}}
+    grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 2, "timed_steps": 8, "repeats": 2}}
+    path = write_grid(tmp_path, grid)
+    results = tmp_path / "r"
+    command = [sys.executable, "-m", "fsdp_bench.cli", "search", str(path), "--results",
+               str(results), "--no-progress"]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while len(started_counts(results)) < 2:
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.2)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    resumed = subprocess.run([*command[:-1], "--trials", "8"], cwd=REPO, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "best feasible" in resumed.stdout
+    assert set(started_counts(results).values()) == {1}, "no run ran twice"
+    spec = load_grid(path)
+    study = open_study(spec, ResultStore(results), None)
+    abandoned = set(study.user_attrs.get("abandoned_trials", []))
+    counted = [t for t in study.trials if t.number not in abandoned]
+    assert len(counted) == 8 and all(t.state.is_finished() for t in study.trials)
+
+
+def test_over_budget_is_never_best_even_when_fastest(tmp_path: Path) -> None:
+    spec = load_grid(write_grid(tmp_path, GRID))
+    store = ResultStore(tmp_path / "r")
+    study = open_study(spec, store, None)
+    fast_but_big = _record(store, "root", tokens=99_000.0, peak=0.030)
+    slow_but_fits = _record(store, "block", tokens=5_000.0, peak=0.019)
+    for result in (fast_but_big, slow_but_fits):
+        trial = study.ask()
+        trial.set_user_attr("run_id", result.run_id)
+        trial.set_constraint("memory", result.peak_memory_gib - 0.0205)
+        study.tell(trial, [result.tokens_per_s])
+    best = best_feasible(study, store, spec)
+    assert best is not None and best[0].user_attrs["run_id"] == slow_but_fits.run_id
+    assert study.best_trial.user_attrs["run_id"] == slow_but_fits.run_id  # optuna 5 agrees
+
+
+def _record(store: ResultStore, grouping: str, tokens: float, peak: float) -> RunResult:
+    run = RunConfig(world_size=2, fsdp=FsdpConfig(grouping=grouping))
+    result = RunResult(
+        run_id=run.run_id, status="ok", config=to_plain(run), tokens_per_s=tokens,
+        peak_memory_gib=peak,
+    )  # fmt: skip
+    store.record(result)
+    return result
+
+
+@pytest.mark.slow
+def test_multi_objective_reports_a_pareto_front(tmp_path: Path) -> None:
+    grid = {**GRID, "search": {"trials": 6, "seed": 3, "multi_objective": True}}
+    grid["memory"] = {}
+    spec, outcome = search(tmp_path, grid)
+    from fsdp_bench.search import pareto_front
+
+    front = pareto_front(outcome.study, ResultStore(outcome.results_dir), spec)
+    assert front and all(len(t.values) == 2 for t in front)
+    speeds = sorted((t.values[1], t.values[0]) for t in front)  # by memory
+    assert all(b[1] > a[1] for a, b in zip(speeds, speeds[1:], strict=False)), speeds
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        RunConfig(fsdp=FsdpConfig(grouping="block", mixed_precision="bf16", prefetch=2)),
+        RunConfig(fsdp=FsdpConfig(grouping="blocks:2", activation_checkpointing="block")),
+        RunConfig(
+            model=ModelConfig(name="tiny", tie_embeddings=True),
+            fsdp=FsdpConfig(grouping="linear", reshard_after_forward=False),
+            train=TrainConfig(accumulation_steps=2, grad_sync="last"),
+        ),
+        RunConfig(strategy="ddp", train=TrainConfig(accumulation_steps=2, grad_sync="last")),
+    ],
+    ids=["block-bf16-prefetch", "blocks2-ac", "linear-tied-accumulation", "ddp"],
+)
+def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
+    """The Python printed for the best configuration, executed on a real (one-rank) group."""
+    code = fully_shard_code(run, device="cpu")
+    model = build_model(run.model).module
+    if run.strategy == "ddp":
+        model.to_empty(device="cpu")
+        model.init_weights()
+        if run.model.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+    batches = rank_batches(
+        RunConfig(data=DataConfig(micro_batch_size=1, seq_len=16)), 0, 1024, torch.device("cpu")
+    )
+    namespace: dict[str, Any] = {
+        "model": model,
+        "loss_fn": loss_fn,
+        "inputs": batches[0][0],
+        "targets": batches[0][1],
+        "micro_batches": batches * run.train.accumulation_steps,
+    }
+    exec(compile(code, "<generated>", "exec"), namespace)  # noqa: S102 - our own output
+    trained: nn.Module = namespace["model"]
+    assert all(p.grad is None for p in trained.parameters()), "the step ran to zero_grad"
+    assert "fully_shard" in code or run.strategy == "ddp"
+
+
+def test_search_settings_are_validated(tmp_path: Path) -> None:
+    bad = {**GRID, "search": {"trials": 0}}
+    path = write_grid(tmp_path, bad)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench.cli", "search", str(path)],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "search.trials: 0 is not allowed; expected an integer >= 1" in done.stderr
+    flag = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench.cli", "search", str(write_grid(tmp_path, GRID)),
+         "--parallel", "0"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert flag.returncode == 2 and "--parallel: 0 is not allowed" in flag.stderr
+
+
+def test_journal_is_readable_by_optuna(tmp_path: Path) -> None:
+    spec = load_grid(write_grid(tmp_path, GRID))
+    store = ResultStore(tmp_path / "r")
+    study = open_study(spec, store, None)
+    trial = study.ask({"fsdp.grouping": optuna.distributions.CategoricalDistribution(["root"])})
+    study.tell(trial, [1.0])
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    again = optuna.load_study(
+        study_name="search",
+        storage=JournalStorage(JournalFileBackend(str(tmp_path / "r" / "study.journal"))),
+    )
+    assert [t.values for t in again.trials] == [[1.0]]
+    assert json.dumps(GIB)
