@@ -28,7 +28,7 @@ from fsdp_bench.driver import Driver, Ledger, Watched
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.estimates import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.grid import SweepSpec, build_point, search_space
-from fsdp_bench.launchers import make_launcher
+from fsdp_bench.launchers import Launcher, make_launcher
 from fsdp_bench.results import ResultStore, RunResult
 from fsdp_bench.sweep import results_dir_for
 
@@ -56,16 +56,20 @@ class SearchOutcome:
     excluded: how each trial was answered."""
 
 
-def run_search(spec: SweepSpec, options: SearchOptions) -> SearchOutcome:
+def run_search(
+    spec: SweepSpec, options: SearchOptions, launcher: Launcher | None = None
+) -> SearchOutcome:
+    """Run the study to `search.trials` trials (a rerun continues it).
+
+    `launcher` replaces the grid's (the search-efficiency benchmark replays a recorded table).
+    """
     settings = spec.search
-    store = ResultStore(results_dir_for(spec, options.results_dir))
-    study = open_study(spec, store, options.storage)
-    launcher = make_launcher(
-        dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel), store.jobs_dir
-    )
     spec = dataclasses.replace(
         spec, launcher=dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel)
     )
+    store = ResultStore(results_dir_for(spec, options.results_dir))
+    study = open_study(spec, store, options.storage)
+    launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
     ledger = Ledger(store.jobs_dir / "ledger.json")
     searcher = Searcher(spec, study, store, options)
     driver = Driver(store, ledger, spec, options.verify, on_record=searcher.on_record)

@@ -295,3 +295,31 @@ def test_profile_errors_name_the_profile(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError, match=r"no profile 'nosuch'.*available: example-h100, testbed"):
         load_grid(write_grid(tmp_path, grid))
+
+
+def test_search_keeps_parallel_trials_in_flight(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    from fsdp_bench.search import SearchOptions, run_search
+
+    grid = slurm_grid(
+        "search",
+        {
+            "fsdp.grouping": ["root", "block", "blocks:2", "linear"],
+            "fsdp.reshard_after_forward": ["default", True, False],
+            "data.seed": [0, 1],
+        },
+        measure={"warmup_steps": 1, "timed_steps": 8, "repeats": 1},
+    )
+    grid["search"] = {"trials": 6, "parallel": 2, "sampler": "random", "seed": 4}
+    spec = load_grid(write_grid(tmp_path, grid))
+    watcher = QueueWatcher()
+    watcher.start()
+    try:
+        outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
+    finally:
+        watcher.stop()
+    assert outcome.counts["launched"] >= 4
+    assert watcher.most == 2, "two trials in flight at once, never more"
+    assert len(outcome.study.trials) == 6
+    assert set(started_counts(tmp_path / "r").values()) == {1}
