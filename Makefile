@@ -25,9 +25,11 @@ lint: install
 	$(BIN)/mypy
 
 # Command 2 of the README: install everything (Python packages, and munge + Slurm from
-# Debian packages for the testbed the Slurm tests start), lint, type-check, run every test.
+# Debian packages for the testbed the Slurm tests start, chromium for the HTML report test),
+# lint, type-check, run every test.
 test: lint
 	slurm/testbed/install.sh
+	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 	$(BIN)/python -m pytest
 
 benchmarks: install

@@ -97,7 +97,21 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
     search.set_defaults(handler=_search)
 
-    for command in (sweep, estimate, search):
+    report = commands.add_parser(
+        "report", help="figures, report.html and summary.md for a results folder"
+    )
+    report.add_argument("results", type=Path, help="results folder of a sweep or search")
+    report.add_argument(
+        "--compare", type=Path, metavar="OTHER", help="a second results folder, side by side"
+    )
+    report.add_argument("--out", type=Path, help="report folder (default: RESULTS/report)")
+    report.add_argument("--svg", action="store_true", help="write SVG figures beside the PNGs")
+    report.add_argument(
+        "--budget-gib", type=float, help="memory per rank (default: the grid's memory.budget_gib)"
+    )
+    report.set_defaults(handler=_report)
+
+    for command in (sweep, estimate, search, report):
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
         )
@@ -175,6 +189,29 @@ def _search(args: argparse.Namespace) -> int:
     )
     outcome = run_search(spec, options)
     print(views.describe_search(outcome, spec))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fsdp_bench.reporting import build_report
+
+    if args.budget_gib is not None and not args.budget_gib > 0:
+        from fsdp_bench.errors import ConfigError
+
+        raise ConfigError(f"--budget-gib: {args.budget_gib:g} is not allowed; expected > 0 (GiB)")
+    outcome = build_report(
+        args.results,
+        out=args.out,
+        compare=args.compare,
+        svg=args.svg,
+        budget_gib=args.budget_gib,
+    )
+    for path in outcome.paths:
+        print(path)
+    for figure in outcome.figures:
+        if figure.skipped:
+            print(f"not drawn: {figure.title}: {figure.skipped}")
+    print(outcome.headline)
     return 0
 
 

@@ -74,3 +74,9 @@ class LaunchError(FsdpBenchError):
     """A job could not be submitted or followed (cluster unreachable, submission rejected)."""
 
     exit_code = 3
+
+
+class ResultsError(FsdpBenchError):
+    """A results folder that cannot be reported on: missing, or with no runs recorded yet."""
+
+    exit_code = 2

@@ -1,4 +1,8 @@
-"""Summaries of a results table for people: computed as plain data first, formatted after."""
+"""Summaries of a results table for people: computed as plain data first, formatted after.
+
+The terminal ranking lives here; the report folder (`fsdp-bench report`: figures, HTML,
+markdown) is built by `reporting` from `summaries`, `figures` and `html_report`.
+"""
 
 from __future__ import annotations
 

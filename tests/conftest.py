@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,20 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def quickstart_sweep(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`fsdp-bench sweep sweeps/quickstart.yaml` run once per session as a user runs it (the
+    console script pip installed): its results folder and what it printed."""
+    results = tmp_path_factory.mktemp("quickstart") / "quickstart"
+    console_script = Path(sys.executable).parent / "fsdp-bench"
+    command = [str(console_script), "sweep", "sweeps/quickstart.yaml", "--results", str(results)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return results, done
 
 
 SLURM_STATE_DIR = Path("/tmp/fsdp-bench-test-slurm")

@@ -14,12 +14,11 @@ from tests.test_results import CONTRACT
 pytestmark = pytest.mark.slow
 
 
-def test_quickstart_end_to_end(tmp_path: Path) -> None:
-    results = tmp_path / "quickstart"
-    console_script = Path(sys.executable).parent / "fsdp-bench"  # what pip installed
-    command = [str(console_script), "sweep", "sweeps/quickstart.yaml", "--results", str(results)]
-    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr
+def test_quickstart_end_to_end(
+    quickstart_sweep: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    results, first = quickstart_sweep
+    command = first.args
     assert "33/33" in first.stderr, "the progress bar reached the end"
     table = first.stdout.splitlines()
     header = table[1].split()

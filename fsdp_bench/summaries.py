@@ -1,0 +1,456 @@
+"""What a results table says, as plain DataFrames: computed here, drawn and formatted elsewhere.
+
+Pure pandas, no plotting, so every number a report shows is tested exactly. Every function
+takes the table `load_results` returns, works on partial results (a sweep still running,
+failures in some cells) and returns an empty frame rather than raising when nothing qualifies.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pandas as pd
+
+from fsdp_bench.errors import yaml_scalar
+
+# The configuration columns of a results row (the leaves of RunConfig), in reading order.
+CONFIG_COLUMNS = [
+    "model",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+    "options",
+    "world_size",
+    "processes_per_node",
+    "nodes",
+    "strategy",
+    "micro_batch_size",
+    "seq_len",
+    "grouping",
+    "reshard_after_forward",
+    "shard_group_size",
+    "prefetch",
+    "mixed_precision",
+    "cpu_offload",
+    "activation_checkpointing",
+    "accumulation_steps",
+    "grad_sync",
+    "optimizer",
+    "fault",
+    "fault_rank",
+]
+"""What identifies a configuration. Measurement settings (warm-up, timed steps, repeats),
+seed and learning rate are left out: they change how precisely a run is timed, not what runs,
+so two results folders measured differently still match."""
+
+SCALE_COLUMNS = ["world_size", "processes_per_node", "nodes"]
+"""How many GPUs and where: the axis of scaling, not of a configuration's identity."""
+
+EFFECT_AXES = [
+    "strategy",
+    "micro_batch_size",
+    "seq_len",
+    "grouping",
+    "reshard_after_forward",
+    "shard_group_size",
+    "prefetch",
+    "mixed_precision",
+    "cpu_offload",
+    "activation_checkpointing",
+    "accumulation_steps",
+    "grad_sync",
+    "optimizer",
+]
+"""Axes whose effect is measured holding the others fixed (world size is scaling instead)."""
+
+STATUS_CATEGORIES = ["ok", "oom", "skipped: predicted_oom", "error", "timeout", "cancelled"]
+"""Always shown, in this order, even at zero; other statuses follow when present."""
+
+
+def key(value: Any) -> str:
+    """A hashable, comparable spelling of a cell (lists, dicts, None, NaN all included)."""
+    if hasattr(value, "item") and not isinstance(value, (list, dict)):
+        value = value.item()  # numpy scalars: np.True_ spells like True
+    if isinstance(value, float) and pd.isna(value):
+        return "null"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return yaml_scalar(value)
+
+
+def config_columns(df: pd.DataFrame, exclude: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The configuration columns present in `df`, minus `exclude`."""
+    return [c for c in CONFIG_COLUMNS if c in df.columns and c not in exclude]
+
+
+def varying(df: pd.DataFrame, columns: list[str]) -> list[str]:
+    """Those of `columns` that take more than one value in `df`."""
+    return [c for c in columns if c in df.columns and df[c].map(key).nunique() > 1]
+
+
+def config_keys(df: pd.DataFrame, columns: list[str]) -> pd.Series:
+    """One string per row naming its configuration over `columns` (for matching rows)."""
+    if not columns:
+        return pd.Series("", index=df.index, dtype=object)
+    parts = [df[c].map(key) for c in columns]
+    joined = parts[0].astype(str)
+    for part in parts[1:]:
+        joined = joined + "|" + part.astype(str)
+    return joined
+
+
+def config_labels(df: pd.DataFrame, columns: list[str] | None = None) -> pd.Series:
+    """Short labels that say how each row differs from the common configuration.
+
+    Of the `columns` that vary (default: every configuration column), a row shows those
+    where it differs from the value most rows share, plus its grouping, which readers use
+    to find a configuration: "block", "root, reshard=true", "block, bf16", "ddp". DDP rows
+    leave out the FSDP-only axes, which DDP does not have.
+    """
+    if df.empty:
+        return pd.Series(dtype=object)
+    if columns is None:
+        columns = config_columns(df)
+    columns = varying(df, columns)
+    base = {c: key(baseline_value(df[c])) for c in columns}
+    fsdp_only = {"grouping", "reshard_after_forward", "prefetch", "cpu_offload", "shard_group_size"}
+    bare = {"grouping", "strategy", "model", "mixed_precision"}
+    short = {
+        "reshard_after_forward": "reshard",
+        "accumulation_steps": "accum",
+        "activation_checkpointing": "AC",
+        "cpu_offload": "offload",
+        "world_size": "W",
+        "micro_batch_size": "micro-batch",
+    }
+
+    def label(row: pd.Series) -> str:
+        ddp = row.get("strategy") == "ddp"
+        parts = []
+        for c in columns:
+            value = key(row[c])
+            if (ddp and c in fsdp_only) or (value == base[c] and c != "grouping"):
+                continue
+            parts.append(value if c in bare else f"{short.get(c, c)}={value}")
+        return ", ".join(parts) or "base"
+
+    return df.apply(label, axis=1)
+
+
+def status_category(status: str, reason: str) -> str:
+    """ok, oom, ..., and "skipped: <why>" (the reason's first word, e.g. predicted_oom)."""
+    if status != "skipped":
+        return status
+    why = (reason or "").split(":")[0].split()
+    return f"skipped: {why[0]}" if why else "skipped"
+
+
+def status_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """Runs per status category: a row per category (the usual six always, others when
+    present), a column per world size and `total`."""
+    if df.empty:
+        categories = pd.Series(dtype=object)
+    else:
+        reasons = df["reason"] if "reason" in df else pd.Series("", index=df.index)
+        categories = pd.Series(
+            [status_category(s, r) for s, r in zip(df["status"], reasons, strict=True)],
+            index=df.index,
+        )
+    order = STATUS_CATEGORIES + sorted(set(categories) - set(STATUS_CATEGORIES))
+    sizes = sorted(df["world_size"].dropna().unique()) if "world_size" in df else []
+    table = pd.DataFrame(index=pd.Index(order, name="status"))
+    for size in sizes:
+        counts = categories[df["world_size"] == size].value_counts()
+        table[f"world size {int(size)}"] = [int(counts.get(c, 0)) for c in order]
+    counts = categories.value_counts()
+    table["total"] = [int(counts.get(c, 0)) for c in order]
+    return table
+
+
+def fits(df: pd.DataFrame, budget_gib: float | None) -> pd.Series:
+    """Rows that ran ok with a measured peak within the budget (all ok rows without one)."""
+    ok = df["status"].eq("ok") & df["tokens_per_s"].notna()
+    if budget_gib is None:
+        return ok
+    return ok & df["peak_memory_gib"].le(budget_gib)
+
+
+def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFrame:
+    """For every world size in the table, the fastest run that fits the budget.
+
+    Ties go to the lower peak memory, then the run_id. A world size where nothing fits keeps
+    its row, with no run_id and a note saying why (all failed, or all over budget).
+    """
+    columns = ["world_size", "run_id", "tokens_per_s", "peak_memory_gib", "note"]
+    if df.empty:
+        return pd.DataFrame(columns=columns)
+    good = df[fits(df, budget_gib)]
+    rows: list[dict[str, Any]] = []
+    for size in sorted(df["world_size"].dropna().unique()):
+        here = good[good["world_size"] == size]
+        if here.empty:
+            ok = df[(df["world_size"] == size) & df["status"].eq("ok")]
+            note = "no run finished ok" if ok.empty else "every ok run is over the budget"
+            rows.append({"world_size": int(size), "run_id": None, "note": note})
+            continue
+        best = here.sort_values(
+            ["tokens_per_s", "peak_memory_gib", "run_id"], ascending=[False, True, True]
+        ).iloc[0]
+        rows.append(
+            {
+                "world_size": int(size),
+                "run_id": best["run_id"],
+                "tokens_per_s": float(best["tokens_per_s"]),
+                "peak_memory_gib": float(best["peak_memory_gib"]),
+                "note": "",
+            }
+        )
+    table = pd.DataFrame(rows, columns=columns)
+    described = config_columns(df, exclude=SCALE_COLUMNS)
+    shown = varying(df, described)
+    by_id = df.drop_duplicates("run_id").set_index("run_id")
+    for column in shown:
+        values = [by_id.at[r, column] if isinstance(r, str) else None for r in table["run_id"]]
+        table[column] = pd.Series(values, index=table.index, dtype=object)
+    return table[["world_size", "run_id", *shown, "tokens_per_s", "peak_memory_gib", "note"]]
+
+
+def baseline_value(values: pd.Series) -> Any:
+    """The value most runs share (the grid's base, in a one-knob-at-a-time sweep); ties go
+    to the value seen first."""
+    keys = values.map(key)
+    counts = keys.value_counts(sort=False)
+    top = counts.max()
+    first = next(k for k in keys if counts[k] == top)
+    return values[keys == first].iloc[0]
+
+
+def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
+    """For each axis and each of its values: tokens/s and peak memory relative to the axis's
+    baseline value, in runs identical in everything else (world size included).
+
+    The median ratio over those matched pairs is the effect; `pairs` says how many there were
+    (0: no run with this value has a twin at the baseline, so no effect is claimed).
+    """
+    columns = [
+        "axis",
+        "baseline",
+        "value",
+        "pairs",
+        "tokens_per_s_ratio",
+        "peak_memory_ratio",
+    ]
+    ok = df[df["status"].eq("ok") & df["tokens_per_s"].notna()] if not df.empty else df
+    rows: list[dict[str, Any]] = []
+    identity = config_columns(df)
+    for axis in varying(ok, [c for c in EFFECT_AXES if c in df.columns]):
+        base = baseline_value(ok[axis])
+        others = config_keys(ok, [c for c in identity if c != axis])
+        values = ok[axis].map(key)
+        at_base = ok[values == key(base)].assign(_k=others[values == key(base)])
+        at_base = at_base.groupby("_k")[["tokens_per_s", "peak_memory_gib"]].median()
+        at_base = at_base.add_suffix("_base")
+        for value in _ordered_unique(ok[axis]):
+            if key(value) == key(base):
+                continue
+            mask = values == key(value)
+            here = ok[mask].assign(_k=others[mask])
+            here = here.groupby("_k")[["tokens_per_s", "peak_memory_gib"]].median()
+            matched = here.join(at_base, how="inner")
+            rows.append(
+                {
+                    "axis": axis,
+                    "baseline": base,
+                    "value": value,
+                    "pairs": len(matched),
+                    "tokens_per_s_ratio": _median_ratio(
+                        matched["tokens_per_s"], matched["tokens_per_s_base"]
+                    ),
+                    "peak_memory_ratio": _median_ratio(
+                        matched["peak_memory_gib"], matched["peak_memory_gib_base"]
+                    ),
+                }
+            )
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _median_ratio(values: pd.Series, base: pd.Series) -> float:
+    ratios = (values / base).dropna()
+    return float(ratios.median()) if len(ratios) else float("nan")
+
+
+def _ordered_unique(values: pd.Series) -> list[Any]:
+    """Distinct values in a stable order: sorted when comparable, else first seen."""
+    seen: dict[str, Any] = {}
+    for v in values:
+        seen.setdefault(key(v), v)
+    distinct = list(seen.values())
+    try:
+        return sorted(distinct)
+    except TypeError:
+        return sorted(distinct, key=key)
+
+
+def scaling_efficiency(df: pd.DataFrame) -> pd.DataFrame:
+    """tokens/s per GPU at each world size relative to the smallest world size in the table,
+    for every configuration that ran ok at that smallest size and at least one other.
+
+    Efficiency 1.0 is linear scaling; 0.5 means each GPU does half the work it did alone.
+    """
+    columns = ["config", "world_size", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency"]
+    ok = df[df["status"].eq("ok") & df["tokens_per_s"].notna()] if not df.empty else df
+    if ok.empty or ok["world_size"].nunique() < 2:
+        return pd.DataFrame(columns=columns)
+    identity = config_columns(ok, exclude=SCALE_COLUMNS)
+    ok = ok.assign(
+        _k=config_keys(ok, identity),
+        config=config_labels(ok, varying(ok, identity)),
+        tokens_per_s_per_gpu=ok["tokens_per_s"] / ok["world_size"],
+    )
+    smallest = ok["world_size"].min()
+    per = ok.groupby(["_k", "world_size"], as_index=False).agg(
+        config=("config", "first"),
+        tokens_per_s=("tokens_per_s", "median"),
+        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"),
+    )
+    base = per[per["world_size"] == smallest].set_index("_k")["tokens_per_s_per_gpu"]
+    counts = per.groupby("_k")["world_size"].nunique()
+    keep = [k for k in base.index if counts[k] > 1]
+    per = per[per["_k"].isin(keep)].copy()
+    per["efficiency"] = per["tokens_per_s_per_gpu"] / per["_k"].map(base)
+    per["world_size"] = per["world_size"].astype(int)
+    per = per.sort_values(["config", "world_size"]).reset_index(drop=True)
+    return per[columns]
+
+
+def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
+    """Ok runs no other ok run beats on both tokens/s (higher) and peak memory (lower),
+    sorted by peak memory."""
+    ok = df[df["status"].eq("ok") & df["tokens_per_s"].notna() & df["peak_memory_gib"].notna()]
+    ordered = ok.sort_values(["peak_memory_gib", "tokens_per_s"], ascending=[True, False])
+    front = []
+    best = float("-inf")
+    for index, row in ordered.iterrows():
+        if row["tokens_per_s"] > best:
+            front.append(index)
+            best = row["tokens_per_s"]
+    return ordered.loc[front]
+
+
+def repeat_samples(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per timed repeat: tokens/s from each entry of `step_times_s` (the tokens a
+    step processes over that repeat's step time), for error bars. Runs without step times
+    contribute their single tokens/s."""
+    records = []
+    for index, row in df.iterrows():
+        times = row.get("step_times_s")
+        tokens = row.get("tokens_per_s")
+        if tokens is None or pd.isna(tokens):
+            continue
+        step = row.get("step_time_s")
+        if isinstance(times, list) and times and step is not None and not pd.isna(step):
+            per_step = tokens * step
+            samples = [per_step / t for t in times if t]
+        else:
+            samples = [tokens]
+        records += [(index, s) for s in samples]
+    samples_df = pd.DataFrame(records, columns=["_row", "tokens_per_s_sample"])
+    return samples_df.join(df.drop(columns=["tokens_per_s"], errors="ignore"), on="_row")
+
+
+def best_so_far(trials: pd.DataFrame, maximize: bool = True) -> pd.DataFrame:
+    """A search's completed trials in order, each marked feasible or not, with the best
+    feasible value up to and including it (NaN before the first feasible one).
+
+    `trials` has one row per trial: number, state (optuna's name: COMPLETE, FAIL, ...), value
+    and feasible (the memory constraint held).
+    """
+    columns = ["number", "value", "kind", "best_so_far"]
+    if trials.empty:
+        return pd.DataFrame(columns=columns)
+    done = trials[trials["state"].eq("COMPLETE")].sort_values("number")
+    if done.empty:
+        return pd.DataFrame(columns=columns)
+    feasible = done["feasible"].astype(bool)
+    values = done["value"].where(feasible)
+    best = (values.cummax() if maximize else values.cummin()).ffill()
+    return pd.DataFrame(
+        {
+            "number": done["number"].astype(int).to_numpy(),
+            "value": done["value"].astype(float).to_numpy(),
+            "kind": ["feasible" if f else "over budget / OOM" for f in feasible],
+            "best_so_far": best.astype(float).to_numpy(),
+        }
+    )
+
+
+def describe(row: pd.Series, columns: list[str]) -> str:
+    """A configuration spelled out, name=value over `columns` (DDP without FSDP-only axes)."""
+    fsdp_only = {"grouping", "reshard_after_forward", "prefetch", "cpu_offload", "shard_group_size"}
+    ddp = row.get("strategy") == "ddp"
+    return ", ".join(
+        f"{c}={key(row[c])}" for c in columns if c in row and not (ddp and c in fsdp_only)
+    )
+
+
+def subject(df: pd.DataFrame) -> str:
+    """Model and hardware of a results table, for figure titles: "tiny on CPU (x86_64), gloo"."""
+    if df.empty:
+        return "no runs"
+
+    def names(column: str) -> list[str]:
+        if column not in df:
+            return []
+        return sorted({key(v) for v in df[column].dropna() if key(v) not in ("", "null")})
+
+    models = ", ".join(names("model")) or "unknown model"
+    hardware = []
+    for device in names("device"):
+        here = df[df["device"].map(key) == device]
+        details = sorted({key(v) for v in here.get("device_name", pd.Series()).dropna()})
+        shown = ", ".join(details)
+        hardware.append(f"{device.upper()} ({shown})" if device == "cpu" and shown else shown)
+    backends = ", ".join(names("backend"))
+    where = " + ".join(h for h in hardware if h) or "unknown hardware"
+    return f"model {models} on {where}" + (f", {backends}" if backends else "")
+
+
+def provenance(df: pd.DataFrame) -> dict[str, str]:
+    """Where and when the runs were measured: versions, devices, hosts, first and last date."""
+
+    def distinct(column: str) -> list[str]:
+        if column not in df:
+            return []
+        found: set[str] = set()
+        for value in df[column].dropna():
+            items = value if isinstance(value, list) else [value]
+            found.update(key(v) for v in items if key(v) not in ("", "null"))
+        return sorted(found)
+
+    hosts = distinct("hostnames")
+    shown_hosts = ", ".join(hosts[:20]) + (
+        f" and {len(hosts) - 20} more" if len(hosts) > 20 else ""
+    )
+    started = distinct("started_at")
+    finished = distinct("finished_at")
+    return {
+        "runs recorded": str(len(df)),
+        "torch version": ", ".join(distinct("torch_version")) or "-",
+        "fsdp-bench version": ", ".join(distinct("fsdp_bench_version")) or "-",
+        "python version": ", ".join(distinct("python_version")) or "-",
+        "devices": " / ".join(
+            part
+            for part in (", ".join(distinct("device")), ", ".join(distinct("device_name")))
+            if part
+        )
+        or "-",
+        "backend": ", ".join(distinct("backend")) or "-",
+        "hosts": f"{len(hosts)}: {shown_hosts}" if hosts else "-",
+        "first run started": started[0] if started else "-",
+        "last run finished": finished[-1] if finished else "-",
+    }

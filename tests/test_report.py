@@ -1,0 +1,387 @@
+"""`fsdp-bench report`: summaries exactly on a hand-built table, every figure on the real
+quickstart results, the HTML report in a real headless Chromium."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pandas as pd
+import pytest
+import yaml
+
+from fsdp_bench import load_results, summaries
+from fsdp_bench.cli import main
+from fsdp_bench.compare import compare_results
+from fsdp_bench.config import FsdpConfig, RunConfig
+from fsdp_bench.figures import FIGURES
+from fsdp_bench.reporting import build_report
+from fsdp_bench.results import ResultStore, RunResult
+from fsdp_bench.schema import to_plain
+
+# --- a hand-built results folder: failures in some cells, cells missing -----------------------
+
+BUDGET_GIB = 8.0
+
+
+def _record(
+    store: ResultStore,
+    world_size: int,
+    grouping: str,
+    status: str,
+    tokens: float | None = None,
+    peak: float | None = None,
+    reshard: Any = "default",
+    reason: str = "",
+) -> str:
+    run = RunConfig(
+        world_size=world_size, fsdp=FsdpConfig(grouping=grouping, reshard_after_forward=reshard)
+    )
+    store.record(
+        RunResult(
+            run_id=run.run_id,
+            status=status,  # type: ignore[arg-type]
+            config=to_plain(run),
+            reason=reason,
+            tokens_per_s=tokens,
+            step_time_s=1.0 if tokens else None,
+            step_times_s=[0.9, 1.0, 1.1] if tokens else None,
+            peak_memory_gib=peak,
+            memory_breakdown_gib={"parameter": peak / 2, "activation": peak / 2} if peak else None,
+            all_gathers_per_step=9 if tokens else None,
+            provenance={"hostnames": [f"node{world_size}"], "torch_version": "2.13.0"},
+        )
+    )
+    return run.run_id
+
+
+@pytest.fixture
+def hand_built(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """World size 1 and 2 ok with one OOM, one predicted OOM and one error; world size 4
+    timed out or was cancelled; no run of linear grouping finished."""
+    store = ResultStore(tmp_path / "hand")
+    ids = {
+        "w1_block": _record(store, 1, "block", "ok", 1000.0, 7.0),
+        "w1_root": _record(store, 1, "root", "ok", 1200.0, 14.0),
+        "w2_block": _record(store, 2, "block", "ok", 1800.0, 6.0),
+        "w2_root": _record(store, 2, "root", "ok", 2000.0, 9.0),
+        "w2_block_true": _record(store, 2, "block", "ok", 1600.0, 5.0, reshard=True),
+        "w2_root_true": _record(store, 2, "root", "oom", reshard=True, reason="rank 0: OOM"),
+        "w2_linear": _record(
+            store, 2, "linear", "skipped", reason="predicted_oom: estimate 9 GiB > budget 8"
+        ),
+        "w2_linear_true": _record(store, 2, "linear", "error", reshard=True, reason="boom"),
+        "w4_block": _record(store, 4, "block", "timeout", reason="collective timeout"),
+        "w4_root": _record(store, 4, "root", "cancelled"),
+    }
+    (store.root / "grid.yaml").write_text(
+        yaml.safe_dump({"name": "hand", "base": {}, "memory": {"budget_gib": BUDGET_GIB}})
+    )
+    return store.root, ids
+
+
+def test_status_counts_every_category(hand_built: tuple[Path, dict[str, str]]) -> None:
+    counts = summaries.status_counts(load_results(hand_built[0]))
+    assert list(counts.index) == summaries.STATUS_CATEGORIES
+    assert counts["total"].to_dict() == {
+        "ok": 5,
+        "oom": 1,
+        "skipped: predicted_oom": 1,
+        "error": 1,
+        "timeout": 1,
+        "cancelled": 1,
+    }
+    assert counts["world size 1"].tolist() == [2, 0, 0, 0, 0, 0]
+    assert counts["world size 2"].tolist() == [3, 1, 1, 1, 0, 0]
+    assert counts["world size 4"].tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_best_per_world_size_under_the_budget(hand_built: tuple[Path, dict[str, str]]) -> None:
+    root, ids = hand_built
+    best = summaries.best_per_world_size(load_results(root), BUDGET_GIB)
+    assert best["world_size"].tolist() == [1, 2, 4]
+    # world size 1: root is faster but 14 GiB; world size 2: root is fastest but 9 GiB
+    assert best["run_id"].tolist()[:2] == [ids["w1_block"], ids["w2_block"]]
+    assert best["tokens_per_s"].tolist()[:2] == [1000.0, 1800.0]
+    assert best["grouping"].tolist()[:2] == ["block", "block"]
+    assert best["run_id"].isna().tolist()[2] and best["note"].tolist()[2] == "no run finished ok"
+    unlimited = summaries.best_per_world_size(load_results(root), None)
+    assert unlimited["run_id"].tolist()[:2] == [ids["w1_root"], ids["w2_root"]]
+    tight = summaries.best_per_world_size(load_results(root), 4.0)
+    assert tight["note"].tolist()[:2] == ["every ok run is over the budget"] * 2
+
+
+def test_axis_effects_are_median_ratios_of_matched_runs(
+    hand_built: tuple[Path, dict[str, str]],
+) -> None:
+    effects = summaries.axis_effects(load_results(hand_built[0])).set_index(["axis", "value"])
+    root = effects.loc[("grouping", "root")]
+    assert root["baseline"] == "block" and root["pairs"] == 2  # the root OOM has no twin
+    assert root["tokens_per_s_ratio"] == pytest.approx((1200 / 1000 + 2000 / 1800) / 2)
+    assert root["peak_memory_ratio"] == pytest.approx((14 / 7 + 9 / 6) / 2)
+    reshard = effects.loc[("reshard_after_forward", True)]
+    assert reshard["baseline"] == "default" and reshard["pairs"] == 1
+    assert reshard["tokens_per_s_ratio"] == pytest.approx(1600 / 1800)
+    assert reshard["peak_memory_ratio"] == pytest.approx(5 / 6)
+    assert ("grouping", "linear") not in effects.index  # no linear run finished
+    assert len(effects) == 2
+
+
+def test_scaling_efficiency_relative_to_the_smallest_world_size(
+    hand_built: tuple[Path, dict[str, str]],
+) -> None:
+    table = summaries.scaling_efficiency(load_results(hand_built[0]))
+    rows = zip(table["config"], table["world_size"], table["efficiency"], strict=True)
+    got = {(c, w): e for c, w, e in rows}
+    # block with reshard=true ran at world size 2 only: nothing to scale from
+    assert got == pytest.approx(
+        {("block", 1): 1.0, ("block", 2): 0.9, ("root", 1): 1.0, ("root", 2): 1000 / 1200}
+    )
+    assert table.loc[table["world_size"] == 2, "tokens_per_s_per_gpu"].tolist() == [900, 1000]
+
+
+def test_pareto_front_and_best_so_far(hand_built: tuple[Path, dict[str, str]]) -> None:
+    root, ids = hand_built
+    front = summaries.pareto_front(load_results(root))
+    assert front["run_id"].tolist() == [ids["w2_block_true"], ids["w2_block"], ids["w2_root"]]
+    trials = pd.DataFrame(
+        {
+            "number": [0, 1, 2, 3, 4],
+            "state": ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"],
+            "value": [5.0, 9.0, math.nan, 0.0, 7.0],
+            "feasible": [True, False, False, False, True],
+        }
+    )
+    history = summaries.best_so_far(trials)
+    assert history["number"].tolist() == [0, 1, 3, 4]
+    assert history["best_so_far"].tolist() == [5.0, 5.0, 5.0, 7.0]
+    assert history["kind"].tolist()[1] == "over budget / OOM"
+
+
+def test_compare_matches_configurations_and_divides_b_by_a(
+    hand_built: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    root, ids = hand_built
+    other = ResultStore(tmp_path / "other")
+    _record(other, 2, "block", "ok", 3600.0, 3.0)
+    _record(other, 2, "root", "oom")
+    _record(other, 8, "block", "ok", 100.0, 1.0)  # only in B
+    table = compare_results(load_results(root), load_results(other.root))
+    by_a = table.set_index("run_id_a")
+    block = by_a.loc[ids["w2_block"]]
+    assert block["tokens_per_s_ratio"] == 2.0 and block["peak_memory_ratio"] == 0.5
+    assert by_a.loc[ids["w2_root"], "status_b"] == "oom"
+    assert math.isnan(by_a.loc[ids["w2_root"], "tokens_per_s_ratio"])
+    assert len(table) == 11 and table["run_id_a"].isna().sum() == 1
+
+
+def test_report_of_a_table_with_failures(hand_built: tuple[Path, dict[str, str]]) -> None:
+    root, ids = hand_built
+    outcome = build_report(root)
+    assert (root / "report" / "report.html").exists() and (root / "report" / "summary.md").exists()
+    assert f"(run {ids['w2_block']})" in outcome.headline
+    assert "World size 4: no configuration fits (no run finished ok)" in outcome.headline
+    summary = (root / "report" / "summary.md").read_text()
+    assert ids["w2_block"] in summary and "budget" in (root / "report" / "report.html").read_text()
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "no runs recorded yet" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "empty"), "--budget-gib", "-1"]) == 2
+
+
+# --- the real quickstart sweep ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def quickstart_results(quickstart_sweep: tuple[Path, subprocess.CompletedProcess[str]]) -> Path:
+    """The built-in quickstart sweep, run for real once per session (three repeats)."""
+    return quickstart_sweep[0]
+
+
+@pytest.fixture(scope="session")
+def quickstart_report(quickstart_results: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report")
+    assert main(["report", str(quickstart_results), "--out", str(out), "--svg"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_every_figure_for_the_quickstart_sweep(
+    quickstart_report: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in FIGURES:
+        png = quickstart_report / f"{name}.png"
+        image = matplotlib.image.imread(png)
+        assert image.shape[0] > 200 and image.shape[1] > 300, name
+        assert image[..., :3].std() > 0.01, f"{name} is blank"
+        assert (quickstart_report / f"{name}.svg").stat().st_size > 1000
+    summary = (quickstart_report / "summary.md").read_text()
+    assert "Best at world size 1" in summary and "Best at world size 2" in summary
+
+
+@pytest.mark.slow
+def test_compare_a_folder_with_itself(
+    quickstart_results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(quickstart_results / "runs", copy / "runs")
+    out = tmp_path / "out"
+    assert main(["report", str(quickstart_results), "--compare", str(copy), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "comparison.png") in printed and "Best at world size 2" in printed
+    assert matplotlib.image.imread(out / "comparison.png").shape[0] > 500
+    assert "33 configurations ran ok in both" in (out / "report.html").read_text()
+
+
+def test_search_figures_from_a_study_journal(
+    hand_built: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    root, _ = hand_built
+    storage = JournalStorage(JournalFileBackend(str(root / "study.journal")))
+    study = optuna.create_study(study_name="hand", storage=storage, direction="maximize")
+    for number in range(8):
+        trial = study.ask()
+        grouping = trial.suggest_categorical("fsdp.grouping", ["block", "root"])
+        reshard = trial.suggest_categorical("fsdp.reshard_after_forward", [True, False])
+        trial.set_constraint("memory", 1.0 if number % 3 == 0 else -1.0)
+        study.tell(trial, 1000.0 + 100 * number + (50 if grouping == "root" else 0) + reshard)
+    outcome = build_report(root, out=tmp_path / "out")
+    drawn = {f.name: f for f in outcome.figures}
+    for name in ("search_progress", "param_importance"):
+        assert not drawn[name].skipped, drawn[name].skipped
+        assert matplotlib.image.imread(drawn[name].paths[0]).shape[0] > 200
+
+
+# --- the HTML report in a real browser ----------------------------------------------------------
+
+PROBE = """<script>
+window.__probe = {errors: []};
+window.addEventListener("error", function (e) {
+  var what = e.message || (e.target && (e.target.src || e.target.tagName)) || "error";
+  window.__probe.errors.push("error: " + String(what).slice(0, 200));
+}, true);
+window.addEventListener("unhandledrejection", function (e) {
+  window.__probe.errors.push("unhandled rejection: " + e.reason);
+});
+["error", "warn"].forEach(function (level) {
+  var original = console[level];
+  console[level] = function () {
+    var text = Array.prototype.join.call(arguments, " ");
+    window.__probe.errors.push("console." + level + ": " + text);
+    original.apply(console, arguments);
+  };
+});
+window.addEventListener("load", function () {
+  var out = window.__probe;
+  out.images = Array.prototype.map.call(document.images, function (img) {
+    return {alt: img.alt, width: img.naturalWidth, complete: img.complete};
+  });
+  out.text = document.body.innerText;
+  // click the tokens/s header of the all-runs table (the last but provenance) twice
+  var tables = document.querySelectorAll("table"), runs = tables[tables.length - 2];
+  var headers = Array.prototype.map.call(runs.tHead.rows[0].cells, function (h) { return h; });
+  var column = headers.findIndex(function (h) { return h.textContent === "tokens/s"; });
+  function cells() {
+    return Array.prototype.map.call(runs.tBodies[0].rows, function (r) {
+      return r.cells[column].textContent;
+    });
+  }
+  headers[column].click();
+  out.ascending = cells();
+  headers[column].click();
+  out.descending = cells();
+  var pre = document.createElement("pre");
+  pre.id = "probe";
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def chromium() -> str:
+    """The chromium binary, installed from Debian packages when missing and we are root;
+    the test is skipped only when that is impossible (never silently in CI: see conftest)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
+        ):
+            subprocess.run(command, capture_output=True, timeout=600, env=env)
+        found = shutil.which("chromium")
+        if found:
+            return found
+    pytest.skip("chromium is not installed and could not be installed (apt-get install chromium)")
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[str]:
+    yield chromium()
+
+
+@pytest.mark.slow
+def test_html_report_in_headless_chromium(
+    quickstart_results: Path, quickstart_report: Path, browser: str, tmp_path: Path
+) -> None:
+    page = (quickstart_report / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page), "needs the network"
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("<head>", "<head>" + PROBE, 1))
+    done = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=10000",
+            "--enable-logging=stderr",
+            "--dump-dom",
+            probed.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = re.search(r'<pre id="probe">(.*?)</pre>', done.stdout, re.S)
+    assert found, f"the page did not load:\n{done.stderr[-3000:]}"
+    probe = json.loads(html.unescape(found.group(1)))
+    assert probe["errors"] == []
+    assert "Uncaught" not in done.stderr
+    assert len(probe["images"]) == len(FIGURES)
+    assert all(image["complete"] and image["width"] > 0 for image in probe["images"]), probe
+    best = summaries.best_per_world_size(load_results(quickstart_results), None)
+    for run_id in best["run_id"]:
+        assert f"(run {run_id})" in probe["text"]
+    headlines = re.findall(r'<p class="headline">(.*?)</p>', page, re.S)
+    assert len(headlines) == 2, "one line per world size"
+    assert all(html.unescape(line) in probe["text"] for line in headlines)
+    for order in ("ascending", "descending"):
+        tokens = [float(t.replace(",", "")) for t in probe[order]]
+        assert len(tokens) == 33
+        assert tokens == sorted(tokens, reverse=order == "descending"), f"not {order}"
