@@ -30,9 +30,11 @@ from fsdp_bench.estimates import Overhead, RunEstimate, estimate_runs, overhead,
 from fsdp_bench.grid import SweepSpec, build_point, search_space
 from fsdp_bench.launchers import Launcher, make_launcher
 from fsdp_bench.results import ResultStore, RunResult
-from fsdp_bench.sweep import results_dir_for
+from fsdp_bench.sweep import results_dir_for, save_grid
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
+MAX_REPEATS_PER_TRIAL = 20
+"""A sampler that proposes known points this many times per budgeted trial has converged."""
 
 
 @dataclass
@@ -68,6 +70,7 @@ def run_search(
         spec, launcher=dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel)
     )
     store = ResultStore(results_dir_for(spec, options.results_dir))
+    save_grid(spec, store)
     study = open_study(spec, store, options.storage)
     launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
     ledger = Ledger(store.jobs_dir / "ledger.json")
@@ -119,7 +122,7 @@ def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
             return optuna.samplers.TPESampler(
                 seed=settings.seed,
                 multivariate=True,
-                n_startup_trials=min(10, max(3, settings.trials // 5)),
+                n_startup_trials=startup_trials(spec),
             )
         case "random":
             return optuna.samplers.RandomSampler(seed=settings.seed)
@@ -132,6 +135,13 @@ def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
             return optuna.samplers.GPSampler(seed=settings.seed)
         case other:
             raise ConfigError(f"search.sampler: {other!r} is not supported")
+
+
+def startup_trials(spec: SweepSpec) -> int:
+    """Random trials before TPE models the space: few, since a grid's space is small and
+    every trial is a real run (3 below 64 points, 10 from 160)."""
+    points = math.prod(len(values) for values in search_space(spec).values())
+    return max(3, min(10, min(points, spec.search.trials) // 16))
 
 
 def constraint_value(result: RunResult, memory: MemoryConfig, extra: Overhead) -> float:
@@ -159,6 +169,7 @@ class Searcher:
         self.space = search_space(spec)
         if not self.space:
             raise ConfigError(f"{spec.source}: axes: a search needs at least one axis")
+        self.space_size = math.prod(len(values) for values in self.space.values())
         self.extra = overhead(spec.memory, store)
         self.driver: Driver | None = None
         self.pending: dict[str, list[optuna.trial.Trial]] = {}
@@ -170,18 +181,18 @@ class Searcher:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.settings.trials, unit="trial", desc=spec.name)
-            self.bar.update(min(self._finished(), self.settings.trials))
+            self.bar.n = min(self._finished(), self.settings.trials)
 
     # the driver's hooks
 
     def supply(self, free: int) -> list[list[RunConfig]] | None:
         """Up to `free` runs to launch; None when the trial budget is spent."""
         runs: list[RunConfig] = []
-        while len(runs) < free and self._asked() < self.settings.trials:
+        while len(runs) < free and not self._budget_spent():
             run = self._ask()
             if run is not None:
                 runs.append(run)
-        if not runs and self._asked() >= self.settings.trials:
+        if not runs and self._budget_spent():
             return None
         return [[run] for run in runs]
 
@@ -261,7 +272,7 @@ class Searcher:
 
     def _advance(self) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.n = min(self._finished(), self.settings.trials)
             self.bar.set_postfix_str(self._postfix(), refresh=True)
 
     def _postfix(self) -> str:
@@ -296,20 +307,40 @@ class Searcher:
                 return build_point(self.spec, dict(trial.params))
         return None
 
-    def _counted(self) -> list[optuna.trial.FrozenTrial]:
-        """Trials that count against the budget (an abandoned one is asked again)."""
-        abandoned = set(self.study.user_attrs.get("abandoned_trials", []))
-        return [t for t in self.study.get_trials(deepcopy=False) if t.number not in abandoned]
-
     def _asked(self) -> int:
-        return len(self._counted())
+        return len(counted_trials(self.study))
 
     def _finished(self) -> int:
-        return sum(1 for t in self._counted() if t.state.is_finished())
+        return sum(1 for t in counted_trials(self.study) if t.state.is_finished())
+
+    def _budget_spent(self) -> bool:
+        return self._asked() >= self.settings.trials or self._exhausted()
+
+    def _exhausted(self) -> bool:
+        """Every point of the space has been asked, or the sampler keeps repeating itself."""
+        asked = self._asked()
+        repeats = len(self.study.get_trials(deepcopy=False)) - asked
+        return asked >= self.space_size or repeats >= MAX_REPEATS_PER_TRIAL * self.settings.trials
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Trials that count against the budget: the first asking of each point. A sampler
+    proposing a point again is answered from the store for free, and a trial abandoned by a
+    killed driver is asked again, so neither counts."""
+    abandoned = set(study.user_attrs.get("abandoned_trials", []))
+    seen: set[tuple[tuple[str, Any], ...]] = set()
+    counted = []
+    for trial in study.get_trials(deepcopy=False):
+        point = tuple(sorted((k, repr(v)) for k, v in trial.params.items()))
+        if trial.number in abandoned or point in seen:
+            continue
+        seen.add(point)
+        counted.append(trial)
+    return counted
 
 
 def best_feasible(

@@ -57,7 +57,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     launcher = make_launcher(spec.launcher, store.jobs_dir)
     for shape in sorted({(r.world_size, r.nodes) for r in runs}):
         launcher.check(*shape)
-    _save_grid(spec, store)
+    save_grid(spec, store)
     ledger = Ledger(store.jobs_dir / "ledger.json")
     if options.rerun:
         _set_aside(store, [r.run_id for r in runs])
@@ -224,7 +224,8 @@ def _set_aside(store: ResultStore, run_ids: list[str]) -> None:
             path.replace(target)
 
 
-def _save_grid(spec: SweepSpec, store: ResultStore) -> None:
+def save_grid(spec: SweepSpec, store: ResultStore) -> None:
+    """The grid as given, beside its results: provenance, and the budget `report` applies."""
     source = Path(spec.source)
     if source.is_file():
         write_atomic(store.root / "grid.yaml", source.read_text())
