@@ -37,6 +37,7 @@ benchmarks: install
 	$(BIN)/python benchmarks/orchestration_overhead.py
 	$(BIN)/python benchmarks/slurm_overhead.py
 	$(BIN)/python benchmarks/estimate_accuracy.py
+	$(BIN)/python benchmarks/search_efficiency.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
