@@ -7,10 +7,11 @@ pruning, the driver, the tell. Two tables:
 
 - cpu: a real sweep of sweeps/search-cpu.yaml on this machine (48 runs, gloo, world size 2),
   measured peaks and simulated estimates, its 21 MiB budget;
-- 8b: Llama-3-8B on H100 nodes, world sizes 8-64 (128 points): peaks from the simulated
+- 8b: Llama-3-8B on A100-40GB nodes, world sizes 8-64 (128 points): peaks from the simulated
   estimate, tokens/s from a throughput model (compute at 45% of bf16 peak, recompute for
   checkpointing, ring all-gather / reduce-scatter over NVLink or InfiniBand, overlapped with
-  compute by how fine the groups are), an 80 GiB budget with a 4 GiB margin.
+  compute by how fine the groups are), a 40 GiB budget with a 4 GiB margin (peaks range
+  10-73 GiB: runs over 40 GiB die of OOM, those within 4 GiB of it are infeasible).
 
 For 20 seeds each: TPE with constraints and estimator pruning (fsdp-bench's default), TPE
 with constraints but no pruning (predicted OOMs are launched and fail), and random search.
@@ -149,13 +150,13 @@ EIGHT_B = {
         "fsdp.activation_checkpointing": ["none", "block"],
         "train.accumulation_steps": [1, 4],
     },
-    "memory": {"budget_gib": 80, "margin_gib": 4},
+    "memory": {"budget_gib": 40, "margin_gib": 4},
     "launcher": {"kind": "slurm", "gpus_per_node": 8},
 }
 
 
 def eight_b_table(work: Path) -> Table:
-    """Simulated peaks and modelled throughput for Llama-3-8B on H100 nodes."""
+    """Simulated peaks and modelled throughput for Llama-3-8B on A100-40GB nodes."""
     spec = parse_grid(EIGHT_B, source=str(REPO / "sweeps" / "replay-8b.yaml"))
     runs = expand(spec).runs
     estimates_dir = work / "8b" / "estimates"
@@ -164,7 +165,7 @@ def eight_b_table(work: Path) -> Table:
     for run in runs:
         peak = estimates[run.run_id].simulated_gib
         assert peak is not None
-        fits_gpu = peak <= 80  # an H100 holds 80 GB; above that the run dies
+        fits_gpu = peak <= 40  # an A100-40GB holds 40 GB; above that the run dies
         records[run.run_id] = RunResult(
             run_id=run.run_id,
             status="ok" if fits_gpu else "oom",
@@ -177,15 +178,15 @@ def eight_b_table(work: Path) -> Table:
 
 
 def modelled_tokens_per_s(run: RunConfig) -> float:
-    """Throughput of Llama-3-8B on H100s: compute plus the communication compute cannot hide."""
+    """Throughput of Llama-3-8B on A100s: compute plus the communication it cannot hide."""
     shape = PRESETS["llama3-8b"]
     k = run.train.accumulation_steps
     tokens_per_rank = run.data.micro_batch_size * run.data.seq_len * k
-    compute = shape.flops_per_token(run.data.seq_len) * tokens_per_rank / (989e12 * 0.45)
+    compute = shape.flops_per_token(run.data.seq_len) * tokens_per_rank / (312e12 * 0.45)
     if run.fsdp.activation_checkpointing == "block":
         compute *= 4 / 3  # the forward again in backward
     w = run.world_size
-    bandwidth = 400e9 if w <= 8 else 45e9  # bytes/s per GPU: NVLink in a node, IB across
+    bandwidth = 240e9 if w <= 8 else 25e9  # bytes/s per GPU: NVLink in a node, HDR IB across
     params = shape.num_params
     gathers = 1 if run.fsdp.reshard_after_forward is False else 2  # forward (+ backward)
     gather_bytes = params * 2 * gathers * k  # bf16, every micro-batch

@@ -15,7 +15,9 @@ failure it keeps proposing. Errors and timeouts are failed trials.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +35,10 @@ from fsdp_bench.results import ResultStore, RunResult
 from fsdp_bench.sweep import results_dir_for, save_grid
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
+REPEATS_BEFORE_EXPLORING = 3
+"""Known points proposed in a row before the next trial is an unvisited point instead."""
 MAX_REPEATS_PER_TRIAL = 20
-"""A sampler that proposes known points this many times per budgeted trial has converged."""
+"""A safety stop: known points proposed this many times per budgeted trial."""
 
 
 @dataclass
@@ -128,13 +132,25 @@ def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
             return optuna.samplers.RandomSampler(seed=settings.seed)
         case "grid":
             space = {k: list(v) for k, v in search_space(spec).items()}
-            return optuna.samplers.GridSampler(space, seed=settings.seed)
+            return AskTellGridSampler(space, seed=settings.seed)
         case "gp":
             if settings.multi_objective:
                 raise ConfigError("search.sampler: 'gp' is single-objective; use tpe or random")
+            if importlib.util.find_spec("scipy") is None:
+                raise ConfigError(
+                    "search.sampler: 'gp' needs scipy: pip install 'fsdp-bench[gp]' (or use tpe)"
+                )
             return optuna.samplers.GPSampler(seed=settings.seed)
         case other:
             raise ConfigError(f"search.sampler: {other!r} is not supported")
+
+
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """optuna's grid order without its `study.stop()` once the grid is covered, which only
+    works inside `study.optimize`; the search stops at its own budget."""
+
+    def after_trial(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def startup_trials(spec: SweepSpec) -> int:
@@ -176,6 +192,7 @@ class Searcher:
         self.watched_runs: set[str] = set()
         """Runs in jobs an earlier driver submitted: a trial asking for one waits for it."""
         self.counts: Counter[str] = Counter()
+        self.repeats_in_a_row = 0
         self.bar: Any = None
         if options.progress:
             from tqdm import tqdm
@@ -205,8 +222,15 @@ class Searcher:
 
     def _ask(self) -> RunConfig | None:
         """One trial; the run to launch, or None when it was answered without one."""
+        visited = {point_key(t.params) for t in counted_trials(self.study)}
+        if self.repeats_in_a_row >= REPEATS_BEFORE_EXPLORING:
+            unvisited = self._unvisited_point(visited)
+            if unvisited is not None:
+                self.study.enqueue_trial(unvisited, skip_if_exists=False)
+            self.repeats_in_a_row = 0
         trial = self.study.ask()
         point = {k: trial.suggest_categorical(k, list(v)) for k, v in self.space.items()}
+        self.repeats_in_a_row = self.repeats_in_a_row + 1 if point_key(point) in visited else 0
         try:
             run = build_point(self.spec, point)
         except FieldError as err:
@@ -235,6 +259,16 @@ class Searcher:
             return None
         self.counts["launched"] += 1
         return run
+
+    def _unvisited_point(self, visited: set[PointKey]) -> dict[str, Any] | None:
+        """A random point no trial has asked for (a sampler stuck on known points would
+        otherwise spend the budget re-telling them); None when none is found."""
+        rng = random.Random(f"{self.settings.seed}-{len(visited)}")
+        for _ in range(min(10 * self.space_size, 10_000)):
+            point = {k: rng.choice(list(v)) for k, v in self.space.items()}
+            if point_key(point) not in visited:
+                return point
+        return None
 
     def _estimate(self, run: RunConfig) -> RunEstimate:
         return estimate_runs([run], self.store.root / "estimates")[run.run_id]
@@ -327,15 +361,22 @@ class Searcher:
             self.bar.close()
 
 
+PointKey = tuple[tuple[str, str], ...]
+
+
+def point_key(params: dict[str, Any]) -> PointKey:
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
 def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials that count against the budget: the first asking of each point. A sampler
     proposing a point again is answered from the store for free, and a trial abandoned by a
     killed driver is asked again, so neither counts."""
     abandoned = set(study.user_attrs.get("abandoned_trials", []))
-    seen: set[tuple[tuple[str, Any], ...]] = set()
+    seen: set[PointKey] = set()
     counted = []
     for trial in study.get_trials(deepcopy=False):
-        point = tuple(sorted((k, repr(v)) for k, v in trial.params.items()))
+        point = point_key(trial.params)
         if trial.number in abandoned or point in seen:
             continue
         seen.add(point)

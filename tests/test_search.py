@@ -20,7 +20,7 @@ from torch import nn
 
 from fsdp_bench.codegen import fully_shard_code
 from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
-from fsdp_bench.grid import load_grid
+from fsdp_bench.grid import build_point, load_grid, search_space
 from fsdp_bench.models import build_model
 from fsdp_bench.results import ResultStore, RunResult
 from fsdp_bench.schema import to_plain
@@ -228,3 +228,30 @@ def test_journal_is_readable_by_optuna(tmp_path: Path) -> None:
         storage=JournalStorage(JournalFileBackend(str(tmp_path / "r" / "study.journal"))),
     )
     assert [t.values for t in again.trials] == [[1.0]]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "grid", "gp"])
+def test_a_recorded_space_is_searched_from_the_store_without_launching(
+    tmp_path: Path, sampler: str
+) -> None:
+    """Every point already recorded: each sampler covers the 12 points (a point proposed again
+    is free, so the budget counts distinct points) and names the fastest that fits."""
+    grid = {**GRID, "search": {"trials": 12, "seed": 0, "sampler": sampler}}
+    spec = load_grid(write_grid(tmp_path, grid))
+    store = ResultStore(tmp_path / "r")
+    expected, fastest = "", 0.0
+    for i, values in enumerate(itertools.product(*search_space(spec).values())):
+        run = build_point(spec, dict(zip(search_space(spec), values, strict=True)))
+        assert run is not None
+        tokens, peak = 1000.0 + 97.0 * ((i * 5) % 12), 0.015 + 0.001 * i
+        store.record(RunResult(run_id=run.run_id, status="ok", config=to_plain(run),
+                               tokens_per_s=tokens, peak_memory_gib=peak))  # fmt: skip
+        if peak <= 0.0205 and tokens > fastest:
+            expected, fastest = run.run_id, tokens
+    outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
+    assert outcome.counts["launched"] == 0 and outcome.counts["pruned"] == 0
+    assert {t.user_attrs["run_id"] for t in counted_trials(outcome.study)} == {
+        r.run_id for r in store.results()
+    }
+    best = best_feasible(outcome.study, store, spec)
+    assert best is not None and best[0].user_attrs["run_id"] == expected
