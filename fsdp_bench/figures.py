@@ -51,6 +51,12 @@ class Canvas:
     svg: bool = False
 
 
+def draw_budget(ax: Any, budget_gib: float) -> None:
+    """The memory budget per rank as a vertical dashed line on a GiB axis."""
+    ax.axvline(budget_gib, color=FAILED_COLOR, linestyle="--", linewidth=1.2,
+               label=f"budget {budget_gib:g} GiB")  # fmt: skip
+
+
 def save_figure(fig: Any, canvas: Canvas, name: str) -> list[Path]:
     canvas.out.mkdir(parents=True, exist_ok=True)
     paths = [canvas.out / f"{name}.png"]
@@ -223,13 +229,7 @@ def memory_vs_throughput(df: pd.DataFrame, canvas: Canvas, budget_gib: float | N
     peaks = ok["peak_memory_gib"]
     edge = budget_gib if budget_gib is not None else float(peaks.max()) * 1.05
     if budget_gib is not None:
-        ax.axvline(
-            budget_gib,
-            color=FAILED_COLOR,
-            linestyle="--",
-            linewidth=1.2,
-            label=f"budget {budget_gib:g} GiB",
-        )
+        draw_budget(ax, budget_gib)
     if not failed.empty:
         ax.scatter(
             [edge] * len(failed),
@@ -304,13 +304,7 @@ def memory_breakdown(df: pd.DataFrame, canvas: Canvas, budget_gib: float | None)
             label="estimated peak (before launch)",
         )
     if budget_gib is not None:
-        ax.axvline(
-            budget_gib,
-            color=FAILED_COLOR,
-            linestyle="--",
-            linewidth=1.2,
-            label=f"budget {budget_gib:g} GiB",
-        )
+        draw_budget(ax, budget_gib)
     ax.set_yticks(list(positions), parts.index, fontsize=8)
     ax.invert_yaxis()
     drawn = [left, ok["peak_memory_gib"], ok.get("estimated_peak_gib"), pd.Series([budget_gib])]
