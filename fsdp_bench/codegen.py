@@ -28,6 +28,11 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
         )
         if used
     ]
+    if run.fsdp.activation_checkpointing == "block":
+        lines.append(
+            "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
+            "checkpoint_wrapper"
+        )
     lines += [
         f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}",
         "",
@@ -56,9 +61,6 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
     lines.append(f"options = dict({', '.join(options)})")
     if run.fsdp.activation_checkpointing == "block":
         lines += [
-            "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (",
-            "    checkpoint_wrapper,",
-            ")",
             "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
             "    model.layers[index] = checkpoint_wrapper(block)",
         ]
