@@ -7,6 +7,7 @@ a sweep still running: it reports what is recorded now.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,13 @@ def build_report(
     df = load(results_dir)
     other = load(compare) if compare is not None else None
     grid = read_grid(results_dir)
+    study = study_report.load_study(results_dir, grid.name)
+    if study is not None:  # a search: the budget and metric it ran with, overrides included
+        grid = dataclasses.replace(
+            grid,
+            budget_gib=study.user_attrs.get("budget_gib", grid.budget_gib),
+            metric=study.user_attrs.get("metric", grid.metric),
+        )
     budget = budget_gib if budget_gib is not None else grid.budget_gib
     out = out or results_dir / "report"
     _clear_figures(out)
@@ -141,7 +149,6 @@ def build_report(
         )
     )
     drawn.append(scaling_figure)
-    study = study_report.load_study(results_dir, grid.name)
     if study is not None:
         drawn += _search_section(study, canvas, sections, grid.metric)
     names = (results_dir.name, compare.name if compare is not None else "")

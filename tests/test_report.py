@@ -259,6 +259,7 @@ def test_search_figures_from_a_study_journal(
     root, _ = hand_built
     storage = JournalStorage(JournalFileBackend(str(root / "study.journal")))
     study = optuna.create_study(study_name="hand", storage=storage, direction="maximize")
+    study.set_user_attr("budget_gib", 6.5)  # what `search --budget-gib 6.5` ran with
     for number in range(8):
         trial = study.ask()
         grouping = trial.suggest_categorical("fsdp.grouping", ["block", "root"])
@@ -270,6 +271,7 @@ def test_search_figures_from_a_study_journal(
     for name in ("search_progress", "param_importance"):
         assert not drawn[name].skipped, drawn[name].skipped
         assert matplotlib.image.imread(drawn[name].paths[0]).shape[0] > 200
+    assert "within the 6.5 GiB per rank budget" in (tmp_path / "out" / "report.html").read_text()
 
 
 # --- the HTML report in a real browser ----------------------------------------------------------
