@@ -7,9 +7,12 @@ is told its recorded result; one the estimator predicts over budget is recorded 
 told as infeasible. Only the rest run, up to `parallel` at a time, each told the moment its
 record lands and replaced by a new ask at once.
 
-Feasibility goes through optuna's `constraints_func` (peak + overhead + margin - budget <= 0),
-so an OOM or an over-budget peak teaches the sampler where not to go instead of being a
-failure it keeps proposing. Errors and timeouts are failed trials.
+Feasibility goes through a `memory` constraint on each trial (`Trial.set_constraint`: peak +
+overhead + margin - budget <= 0), so an OOM or an over-budget peak teaches the sampler where
+not to go instead of being a failure it keeps proposing. Errors and timeouts are failed trials.
+
+`search.trials` counts distinct points: a point the sampler proposes again is told its record
+for free, and after a few such repeats in a row the next trial is an unvisited point.
 """
 
 from __future__ import annotations
