@@ -105,13 +105,22 @@ def run_search(
 
 def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> optuna.Study:
     """The grid's study, created or loaded (a rerun continues it)."""
-    storage: Any = storage_url
-    if storage is None:
+    storage: optuna.storages.BaseStorage
+    if storage_url is None:
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
         store.root.mkdir(parents=True, exist_ok=True)
         storage = JournalStorage(JournalFileBackend(str(store.root / "study.journal")))
+    else:
+        try:
+            storage = optuna.storages.RDBStorage(storage_url)
+        except Exception as err:  # sqlalchemy's and the drivers' errors have no common base
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(
+                f"--storage: {storage_url!r} is not a usable database URL ({reason}); "
+                "expected e.g. sqlite:///study.db or postgresql://user@host/db"
+            ) from err
     settings = spec.search
     directions = [settings.direction] + (["minimize"] if settings.multi_objective else [])
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -239,6 +239,18 @@ def test_a_recorded_space_is_searched_from_the_store_without_launching(
     grid = {**GRID, "search": {"trials": 12, "seed": 0, "sampler": sampler}}
     spec = load_grid(write_grid(tmp_path, grid))
     store = ResultStore(tmp_path / "r")
+    expected = record_every_point(spec, store)
+    outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
+    assert outcome.counts["launched"] == 0 and outcome.counts["pruned"] == 0
+    assert {t.user_attrs["run_id"] for t in counted_trials(outcome.study)} == {
+        r.run_id for r in store.results()
+    }
+    best = best_feasible(outcome.study, store, spec)
+    assert best is not None and best[0].user_attrs["run_id"] == expected
+
+
+def record_every_point(spec: Any, store: ResultStore) -> str:
+    """Synthetic records for the whole space; the run id of the fastest under 21 MiB."""
     expected, fastest = "", 0.0
     for i, values in enumerate(itertools.product(*search_space(spec).values())):
         run = build_point(spec, dict(zip(search_space(spec), values, strict=True)))
@@ -248,10 +260,23 @@ def test_a_recorded_space_is_searched_from_the_store_without_launching(
                                tokens_per_s=tokens, peak_memory_gib=peak))  # fmt: skip
         if peak <= 0.0205 and tokens > fastest:
             expected, fastest = run.run_id, tokens
-    outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
-    assert outcome.counts["launched"] == 0 and outcome.counts["pruned"] == 0
-    assert {t.user_attrs["run_id"] for t in counted_trials(outcome.study)} == {
-        r.run_id for r in store.results()
-    }
-    best = best_feasible(outcome.study, store, spec)
-    assert best is not None and best[0].user_attrs["run_id"] == expected
+    return expected
+
+
+def test_a_database_storage_holds_the_study(tmp_path: Path) -> None:
+    spec = load_grid(write_grid(tmp_path, {**GRID, "search": {"trials": 5, "seed": 0}}))
+    store = ResultStore(tmp_path / "r")
+    record_every_point(spec, store)
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    options = SearchOptions(results_dir=tmp_path / "r", progress=False, storage=url)
+    run_search(spec, options)
+    study = optuna.load_study(study_name="search", storage=url)
+    assert len(counted_trials(study)) == 5
+    assert not (tmp_path / "r" / "study.journal").exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench.cli", "search", str(write_grid(tmp_path, GRID)),
+         "--storage", "nonsense://x", "--results", str(tmp_path / "r")],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--storage: 'nonsense://x' is not a usable database URL" in bad.stderr
