@@ -33,6 +33,9 @@ class GridInfo:
     path: Path | None
     metric: str = "tokens_per_s"
     """What a search optimised (search.metric)."""
+    margin_gib: float = 0.0
+    """Kept free below the budget (memory.margin_gib): a run fits when peak + margin <= budget,
+    the rule `sweep` prunes by and `search` calls feasible."""
 
 
 @dataclass
@@ -56,13 +59,17 @@ def read_grid(results_dir: Path) -> GridInfo:
         from fsdp_bench.grid import load_grid
 
         spec = load_grid(path)
-        return GridInfo(spec.name, spec.memory.budget_gib, text, path, spec.search.metric)
+        memory_config = spec.memory
+        return GridInfo(spec.name, memory_config.budget_gib, text, path, spec.search.metric,
+                        memory_config.margin_gib)  # fmt: skip
     except FsdpBenchError:
         data: Any = yaml.safe_load(text) or {}
         memory = data.get("memory") or {} if isinstance(data, dict) else {}
         budget = memory.get("budget_gib") if isinstance(memory, dict) else None
+        margin = memory.get("margin_gib") if isinstance(memory, dict) else None
         name = data.get("name", results_dir.name) if isinstance(data, dict) else results_dir.name
-        return GridInfo(str(name), float(budget) if budget else None, text, path)
+        return GridInfo(str(name), float(budget) if budget else None, text, path,
+                        margin_gib=float(margin or 0.0))  # fmt: skip
 
 
 def load(results_dir: Path) -> pd.DataFrame:
@@ -102,11 +109,13 @@ def build_report(
     _clear_figures(out)
     canvas = figs.Canvas(out=out, subject=summaries.subject(df), svg=svg)
 
-    best = summaries.best_per_world_size(df, budget)
-    headline = headline_text(df, best, budget)
+    limit = None if budget is None else budget - grid.margin_gib
+    best = summaries.best_per_world_size(df, limit)
+    headline = headline_text(df, best)
     budget_text = (
         f"Fastest run per world size that finished ok within the {budget:g} GiB per rank "
-        "budget (the grid's memory.budget_gib, or --budget-gib)."
+        "budget (the grid's memory.budget_gib, or --budget-gib)"
+        + (f" less its {grid.margin_gib:g} GiB margin." if grid.margin_gib else ".")
         if budget is not None
         else "Fastest run per world size that finished ok. No memory budget: the results "
         "folder's grid.yaml sets no memory.budget_gib; pass --budget-gib to apply one."
@@ -228,7 +237,7 @@ def _search_section(
     return [progress, importance]
 
 
-def headline_text(df: pd.DataFrame, best: pd.DataFrame, budget: float | None) -> str:
+def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
     """One sentence per world size: the best configuration spelled out and its numbers."""
     columns = summaries.varying(df, summaries.config_columns(df, summaries.SCALE_COLUMNS))
     by_id = df.drop_duplicates("run_id").set_index("run_id")

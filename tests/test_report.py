@@ -194,6 +194,20 @@ def test_report_of_a_table_with_failures(hand_built: tuple[Path, dict[str, str]]
     assert ids["w2_block"] in summary and "budget" in (root / "report" / "report.html").read_text()
 
 
+def test_the_grid_margin_is_kept_free_below_the_budget(
+    hand_built: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """peak + margin <= budget, as sweep prunes and search decides feasibility: with 2.5 GiB
+    kept free of 8, the 6 GiB block run no longer fits and the 5 GiB one is best."""
+    root, ids = hand_built
+    memory = {"budget_gib": BUDGET_GIB, "margin_gib": 2.5}
+    (root / "grid.yaml").write_text(yaml.safe_dump({"name": "hand", "base": {}, "memory": memory}))
+    outcome = build_report(root, out=tmp_path / "out")
+    best = outcome.best.set_index("world_size")
+    assert best.loc[2, "run_id"] == ids["w2_block_true"]
+    assert "less its 2.5 GiB margin" in (tmp_path / "out" / "report.html").read_text()
+
+
 def test_cli_errors_are_one_line_with_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
