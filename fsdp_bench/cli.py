@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--budget-gib", type=float, help="memory per rank (default: the grid's memory.budget_gib)"
     )
+    report.add_argument(
+        "--storage", help="the search's optuna storage URL, if it ran with --storage"
+    )
     report.set_defaults(handler=_report)
 
     for command in (sweep, estimate, search, report):
@@ -205,6 +208,7 @@ def _report(args: argparse.Namespace) -> int:
         compare=args.compare,
         svg=args.svg,
         budget_gib=args.budget_gib,
+        storage=args.storage,
     )
     for path in outcome.paths:
         print(path)

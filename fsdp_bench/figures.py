@@ -351,8 +351,11 @@ def collectives(df: pd.DataFrame, canvas: Canvas) -> Figure:
     name, title = "collectives", "collectives per optimizer step"
     ok = _ok(df)
     ok = ok[ok["world_size"].gt(1)] if not ok.empty else ok
-    if ok.empty or "all_gathers_per_step" not in ok:
-        return not_drawn(name, title, "no ok run at world size > 1 (one rank has no collectives)")
+    counted = [count for count, _ in _COLLECTIVES.values() if count in ok]
+    if ok.empty or not counted or ok[counted].isna().all(axis=None):
+        return not_drawn(
+            name, title, "no ok run at world size > 1 with collective counts (one rank has none)"
+        )
     size = int(ok["world_size"].max())
     ok = ok[ok["world_size"].eq(size)]
     panels: list[tuple[str, pd.DataFrame]] = []

@@ -92,12 +92,13 @@ def build_report(
     compare: Path | None = None,
     svg: bool = False,
     budget_gib: float | None = None,
+    storage: str | None = None,
 ) -> ReportOutcome:
     """Write the report folder (default `<results>/report`) and say what was written."""
     df = load(results_dir)
     other = load(compare) if compare is not None else None
     grid = read_grid(results_dir)
-    study = study_report.load_study(results_dir, grid.name)
+    study = study_report.load_study(results_dir, grid.name, storage)
     if study is not None:  # a search: the budget and metric it ran with, overrides included
         grid = dataclasses.replace(
             grid,

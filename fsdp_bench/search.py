@@ -35,6 +35,7 @@ from fsdp_bench.estimates import Overhead, RunEstimate, estimate_runs, overhead,
 from fsdp_bench.grid import SweepSpec, build_point, search_space
 from fsdp_bench.launchers import Launcher, make_launcher
 from fsdp_bench.results import ResultStore, RunResult
+from fsdp_bench.study_report import JOURNAL, database_storage
 from fsdp_bench.sweep import results_dir_for, save_grid
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
@@ -63,6 +64,8 @@ class SearchOutcome:
     counts: Counter[str] = field(default_factory=Counter)
     """launched, pruned (predicted over budget), infeasible (measured), failed, from_store,
     excluded: how each trial was answered."""
+    storage: str = ""
+    """Where the study lives: the journal file, or the --storage URL."""
 
 
 def run_search(
@@ -100,7 +103,8 @@ def run_search(
         raise
     finally:
         searcher.close()
-    return SearchOutcome(study, store.root, searcher.counts)
+    where = options.storage or str(store.root / JOURNAL)
+    return SearchOutcome(study, store.root, searcher.counts, where)
 
 
 def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> optuna.Study:
@@ -111,16 +115,9 @@ def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> 
         from optuna.storages.journal import JournalFileBackend
 
         store.root.mkdir(parents=True, exist_ok=True)
-        storage = JournalStorage(JournalFileBackend(str(store.root / "study.journal")))
+        storage = JournalStorage(JournalFileBackend(str(store.root / JOURNAL)))
     else:
-        try:
-            storage = optuna.storages.RDBStorage(storage_url)
-        except Exception as err:  # sqlalchemy's and the drivers' errors have no common base
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConfigError(
-                f"--storage: {storage_url!r} is not a usable database URL ({reason}); "
-                "expected e.g. sqlite:///study.db or postgresql://user@host/db"
-            ) from err
+        storage = database_storage(storage_url)
     settings = spec.search
     directions = [settings.direction] + (["minimize"] if settings.multi_objective else [])
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from fsdp_bench.errors import ConfigError
+
 if TYPE_CHECKING:
     import optuna
 
@@ -20,22 +22,44 @@ log = logging.getLogger(__name__)
 JOURNAL = "study.journal"
 
 
-def load_study(results_dir: Path, name: str | None) -> optuna.Study | None:
-    """The study of a search's results folder, or None for a sweep (no journal)."""
-    path = results_dir / JOURNAL
-    if not path.exists():
-        return None
+def load_study(
+    results_dir: Path, name: str | None, storage_url: str | None = None
+) -> optuna.Study | None:
+    """The study of a search: from `storage_url` when the search had `--storage`, else the
+    journal in its results folder; None for a sweep."""
     import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
 
+    storage: optuna.storages.BaseStorage
+    if storage_url is not None:
+        storage = database_storage(storage_url)
+    else:
+        path = results_dir / JOURNAL
+        if not path.exists():
+            return None
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        storage = JournalStorage(JournalFileBackend(str(path)))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = JournalStorage(JournalFileBackend(str(path)))
     names = optuna.get_all_study_names(storage)
     if not names:
         return None
     chosen = name if name in names else names[0]
     return optuna.load_study(study_name=chosen, storage=storage)
+
+
+def database_storage(url: str) -> optuna.storages.BaseStorage:
+    """optuna's RDB storage for `--storage URL`, or a one-line error naming the URL."""
+    import optuna
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as err:  # sqlalchemy's and the drivers' errors have no common base
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"--storage: {url!r} is not a usable database URL ({reason}); "
+            "expected e.g. sqlite:///study.db or postgresql://user@host/db"
+        ) from err
 
 
 def trial_table(study: optuna.Study) -> pd.DataFrame:

@@ -125,7 +125,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
     c = outcome.counts
     trials = outcome.study.get_trials(deepcopy=False)
     lines = [
-        f"search {spec.name}: {len(trials)} trials in {outcome.results_dir / 'study.journal'}; "
+        f"search {spec.name}: {len(trials)} trials in {outcome.storage}; "
         f"this session: {c['launched']} run, {c['pruned']} pruned by the estimate, "
         f"{c['infeasible']} infeasible when measured, {c['failed']} failed, "
         f"{c['from_store']} answered from the results store, {c['excluded']} excluded"

@@ -22,6 +22,7 @@ from fsdp_bench.codegen import fully_shard_code
 from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.grid import build_point, load_grid, search_space
 from fsdp_bench.models import build_model
+from fsdp_bench.reporting import build_report
 from fsdp_bench.results import ResultStore, RunResult
 from fsdp_bench.schema import to_plain
 from fsdp_bench.search import (
@@ -273,6 +274,9 @@ def test_a_database_storage_holds_the_study(tmp_path: Path) -> None:
     study = optuna.load_study(study_name="search", storage=url)
     assert len(counted_trials(study)) == 5
     assert not (tmp_path / "r" / "study.journal").exists()
+    report = build_report(tmp_path / "r", out=tmp_path / "report", storage=url)
+    drawn = {figure.name: figure for figure in report.figures}
+    assert not drawn["search_progress"].skipped, "the report reads the study from the database"
     bad = subprocess.run(
         [sys.executable, "-m", "fsdp_bench.cli", "search", str(write_grid(tmp_path, GRID)),
          "--storage", "nonsense://x", "--results", str(tmp_path / "r")],
