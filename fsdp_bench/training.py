@@ -74,7 +74,17 @@ def forward_backward(
     handle (the DDP baseline)."""
     count = len(batches)
     sync_last_only = grad_sync == "last" and count > 1
-    device_type = batches[0][0].device.type if batches else "cpu"
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # No name for the logits: held through backward they would add their full size.
+        return loss_fn(model(inputs), targets)
+
+    if autocast is not None:  # decided once here, not in every micro-batch of the timed loop
+        plain_loss, device_type = loss_of, batches[0][0].device.type
+
+        def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device_type, dtype=autocast):
+                return plain_loss(inputs, targets)
 
     def run_micro_batches() -> None:
         for index, (inputs, targets) in enumerate(batches):
@@ -82,10 +92,7 @@ def forward_backward(
                 before_micro_batch()
             if sync_last_only:
                 _set_gradient_sync(model, index == count - 1)
-            # No name for the logits: held through backward they would add their full size.
-            with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-                loss = loss_fn(model(inputs), targets)
-            (loss / count).backward()
+            (loss_of(inputs, targets) / count).backward()
 
     return run_micro_batches
 

@@ -288,6 +288,7 @@ def _gather_result(
     if peak_flop_s and flops_per_token:
         mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
     parity = first.parity
+    estimated, analytic = context.estimates.get(run.run_id, (None, None))
     return RunResult(
         run_id=run.run_id,
         status="ok",
@@ -306,8 +307,8 @@ def _gather_result(
         tracked_peak_gib=tracked / GIB,
         memory_breakdown_gib={k: v / GIB for k, v in worst.breakdown_bytes.items()},
         peak_memory_source="cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
-        estimated_peak_gib=context.estimates.get(run.run_id, (None, None))[0],
-        analytic_peak_gib=context.estimates.get(run.run_id, (None, None))[1],
+        estimated_peak_gib=estimated,
+        analytic_peak_gib=analytic,
         all_gathers_per_step=counts["all_gathers"],
         all_gather_bytes_per_step=counts["all_gather_bytes"],
         reduce_scatters_per_step=counts["reduce_scatters"],
