@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from fsdp_bench.errors import yaml_scalar
+from fsdp_bench.summaries import varying
 
 # Configuration columns in the order people read them; only those that vary are shown.
 AXIS_COLUMNS = [
@@ -49,7 +50,7 @@ METRIC_COLUMNS = [
 
 def varying_axes(df: pd.DataFrame) -> list[str]:
     """The configuration columns that take more than one value in `df`."""
-    return [c for c in AXIS_COLUMNS if c in df and df[c].astype(str).nunique(dropna=False) > 1]
+    return varying(df, AXIS_COLUMNS)
 
 
 def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFrame:

@@ -52,21 +52,10 @@ SCALE_COLUMNS = ["world_size", "processes_per_node", "nodes"]
 """How many GPUs and where: the axis of scaling, not of a configuration's identity."""
 
 EFFECT_AXES = [
-    "strategy",
-    "micro_batch_size",
-    "seq_len",
-    "grouping",
-    "reshard_after_forward",
-    "shard_group_size",
-    "prefetch",
-    "mixed_precision",
-    "cpu_offload",
-    "activation_checkpointing",
-    "accumulation_steps",
-    "grad_sync",
-    "optimizer",
+    c for c in CONFIG_COLUMNS[CONFIG_COLUMNS.index("strategy") :] if not c.startswith("fault")
 ]
-"""Axes whose effect is measured holding the others fixed (world size is scaling instead)."""
+"""Axes whose effect is measured holding the others fixed: the configuration from the strategy
+on (the model is what is trained, world size is scaling), less the injected faults."""
 
 STATUS_CATEGORIES = ["ok", "oom", "skipped: predicted_oom", "error", "timeout", "cancelled"]
 """Always shown, in this order, even at zero; other statuses follow when present."""
