@@ -360,13 +360,12 @@ class Searcher:
         return sum(1 for t in counted_trials(self.study) if t.state.is_finished())
 
     def _budget_spent(self) -> bool:
-        return self._asked() >= self.settings.trials or self._exhausted()
-
-    def _exhausted(self) -> bool:
-        """Every point of the space has been asked, or the sampler keeps repeating itself."""
+        """The budget is asked for, every point of the space has been asked, or (a safety stop)
+        the sampler keeps repeating itself."""
         asked = self._asked()
         repeats = len(self.study.get_trials(deepcopy=False)) - asked
-        return asked >= self.space_size or repeats >= MAX_REPEATS_PER_TRIAL * self.settings.trials
+        limit = self.settings.trials
+        return asked >= min(limit, self.space_size) or repeats >= MAX_REPEATS_PER_TRIAL * limit
 
     def close(self) -> None:
         if self.bar is not None:
