@@ -198,10 +198,10 @@ def _search(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from fsdp_bench.reporting import build_report
 
-    if args.budget_gib is not None and not args.budget_gib > 0:
-        from fsdp_bench.errors import ConfigError
+    if args.budget_gib is not None:  # validated as the grid's memory.budget_gib is
+        from fsdp_bench.config import MemoryConfig
 
-        raise ConfigError(f"--budget-gib: {args.budget_gib:g} is not allowed; expected > 0 (GiB)")
+        _replace_checked(MemoryConfig(), {"budget_gib": args.budget_gib})
     outcome = build_report(
         args.results,
         out=args.out,
