@@ -25,11 +25,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_bench.config import DataConfig, MeasureConfig, ModelConfig, RunConfig
-from fsdp_bench.distributed import barrier_and_destroy, init_process_group, pick_device, rank_info
-from fsdp_bench.models import Transformer
-from fsdp_bench.results import ResultStore
-from fsdp_bench.worker import JobContext, execute_run
+from fsdp_bench.config.run import DataConfig, MeasureConfig, ModelConfig, RunConfig
+from fsdp_bench.job.models import Transformer
+from fsdp_bench.job.rendezvous import (
+    barrier_and_destroy,
+    init_process_group,
+    pick_device,
+    rank_info,
+)
+from fsdp_bench.job.worker import JobContext, execute_run
+from fsdp_bench.store import ResultStore
 
 
 def bare_step_time(run: RunConfig, device: torch.device, steps: int, repeats: int) -> float:

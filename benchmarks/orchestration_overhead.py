@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fsdp_bench import load_results
-from fsdp_bench.grid import load_grid
+from fsdp_bench.config.grid import load_grid
 from fsdp_bench.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]

@@ -39,14 +39,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fsdp_bench.config import RunConfig
-from fsdp_bench.estimates import estimate_runs
-from fsdp_bench.grid import SweepSpec, expand, load_grid, parse_grid
-from fsdp_bench.launchers import ALIVE_STATES
-from fsdp_bench.presets import PRESETS
-from fsdp_bench.results import ResultStore, RunResult
-from fsdp_bench.schema import to_plain
+from fsdp_bench.config.grid import SweepSpec, expand, load_grid, parse_grid
+from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.launch.local import ALIVE_STATES
+from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.search import SearchOptions, run_search
+from fsdp_bench.store import ResultStore, RunResult
 from fsdp_bench.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]

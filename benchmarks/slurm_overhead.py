@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from fsdp_bench import load_results
-from fsdp_bench.driver import Driver, Ledger, pack_runs
-from fsdp_bench.grid import expand, load_grid, parse_grid
-from fsdp_bench.launchers import make_launcher
-from fsdp_bench.results import ResultStore
+from fsdp_bench.config.grid import expand, load_grid, parse_grid
+from fsdp_bench.launch.driver import Driver, Ledger, pack_runs
+from fsdp_bench.launch.local import make_launcher
+from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]

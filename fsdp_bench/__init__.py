@@ -1,15 +1,44 @@
 """fsdp-bench: measure which FSDP2 configuration trains a model fastest within its memory.
 
-The public API is small: load and expand a grid, run a sweep, read its results.
+The public API: load and expand a grid, run a sweep or a search, read the results, build a
+report; `ModelBundle` is what a user's model function returns. Names are imported on first
+use, so `import fsdp_bench` (done by every rank's worker) stays light.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = version("fsdp-bench")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-from fsdp_bench.results import load_results
+if TYPE_CHECKING:
+    from fsdp_bench.config import expand as expand
+    from fsdp_bench.config import load_grid as load_grid
+    from fsdp_bench.job.models import ModelBundle as ModelBundle
+    from fsdp_bench.report import build_report as build_report
+    from fsdp_bench.search import run_search as run_search
+    from fsdp_bench.store import load_results as load_results
+    from fsdp_bench.sweep import run_sweep as run_sweep
 
-__all__ = ["__version__", "load_results"]
+_PUBLIC = {
+    "load_grid": "fsdp_bench.config",
+    "expand": "fsdp_bench.config",
+    "run_sweep": "fsdp_bench.sweep",
+    "run_search": "fsdp_bench.search",
+    "load_results": "fsdp_bench.store",
+    "build_report": "fsdp_bench.report",
+    "ModelBundle": "fsdp_bench.job.models",
+}
+
+__all__ = ["ModelBundle", "__version__", *sorted(k for k in _PUBLIC if k != "ModelBundle")]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'fsdp_bench' has no attribute {name!r}")

@@ -28,14 +28,14 @@ from typing import Any
 
 import optuna
 
-from fsdp_bench.config import MemoryConfig, RunConfig, SearchConfig
-from fsdp_bench.driver import Driver, Ledger, Watched
+from fsdp_bench.config.grid import SweepSpec, build_point, search_space
+from fsdp_bench.config.run import MemoryConfig, RunConfig, SearchConfig
 from fsdp_bench.errors import ConfigError, FieldError
-from fsdp_bench.estimates import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
-from fsdp_bench.grid import SweepSpec, build_point, search_space
-from fsdp_bench.launchers import Launcher, make_launcher
-from fsdp_bench.results import ResultStore, RunResult
-from fsdp_bench.study_report import JOURNAL, database_storage
+from fsdp_bench.launch import Launcher, make_launcher
+from fsdp_bench.launch.driver import Driver, Ledger, Watched
+from fsdp_bench.memory.estimate import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.store import ResultStore, RunResult
+from fsdp_bench.study_storage import JOURNAL, storage_for
 from fsdp_bench.sweep import results_dir_for, save_grid
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
@@ -109,15 +109,7 @@ def run_search(
 
 def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> optuna.Study:
     """The grid's study, created or loaded (a rerun continues it)."""
-    storage: optuna.storages.BaseStorage
-    if storage_url is None:
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        store.root.mkdir(parents=True, exist_ok=True)
-        storage = JournalStorage(JournalFileBackend(str(store.root / JOURNAL)))
-    else:
-        storage = database_storage(storage_url)
+    storage = storage_for(store.root, storage_url)
     settings = spec.search
     directions = [settings.direction] + (["minimize"] if settings.multi_objective else [])
     optuna.logging.set_verbosity(optuna.logging.WARNING)

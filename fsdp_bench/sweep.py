@@ -15,12 +15,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fsdp_bench.config import RunConfig
-from fsdp_bench.driver import Driver, Ledger, Watched, pack_runs
-from fsdp_bench.estimates import RunEstimate, estimate_runs, overhead, predicted_oom
-from fsdp_bench.grid import SweepSpec, expand
-from fsdp_bench.launchers import ALIVE_STATES, make_launcher
-from fsdp_bench.results import ResultStore, RunResult, write_atomic
+from fsdp_bench.config.grid import SweepSpec, expand
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.launch import ALIVE_STATES, make_launcher
+from fsdp_bench.launch.driver import Driver, Ledger, Watched, pack_runs
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.store import ResultStore, RunResult, write_atomic
 
 
 @dataclass

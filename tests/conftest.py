@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fsdp_bench import load_results
-from fsdp_bench.grid import load_grid
+from fsdp_bench.config.grid import load_grid
 from fsdp_bench.sweep import SweepOptions, SweepOutcome, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]

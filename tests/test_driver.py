@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_bench.config import DataConfig, RunConfig
-from fsdp_bench.driver import Ledger, classify_failure, pack_runs
-from fsdp_bench.launcher_config import LauncherConfig
+from fsdp_bench.config.launcher import LauncherConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
+from fsdp_bench.launch.driver import Ledger, classify_failure, pack_runs
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:

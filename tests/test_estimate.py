@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig
-from fsdp_bench.simulate import simulate
+from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.memory.simulate import simulate
 from tests.conftest import REPO, started_counts, sweep, tiny_grid, write_grid
 
 pytestmark = pytest.mark.slow
@@ -101,7 +101,7 @@ def test_estimate_command(tmp_path: Path) -> None:
     grid = tiny_grid("cli", {"fsdp.grouping": ["root", "block"]}, world_size=64)
     grid["memory"] = {"budget_gib": 1.0}
     path = write_grid(tmp_path, grid)
-    command = [sys.executable, "-m", "fsdp_bench.cli", "estimate", str(path),
+    command = [sys.executable, "-m", "fsdp_bench", "estimate", str(path),
                "--results", str(tmp_path / "r")]  # fmt: skip
     table = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
     lines = table.strip().splitlines()

@@ -49,7 +49,7 @@ def test_killed_driver_resumes_without_repeating_runs(tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "fsdp_bench.cli",
+        "fsdp_bench",
         "sweep",
         str(path),
         "--results",

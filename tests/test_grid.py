@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fsdp_bench.config import FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.grid import expand, load_grid, parse_grid
+from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.grid import expand, load_grid, parse_grid
 
 
 def grid(**sections: Any) -> dict[str, Any]:
@@ -270,7 +270,7 @@ def test_cli_reports_bad_grid_in_one_line_with_exit_code_2(tmp_path: Path) -> No
     command = [
         sys.executable,
         "-m",
-        "fsdp_bench.cli",
+        "fsdp_bench",
         "sweep",
         str(path),
         "--results",
@@ -298,7 +298,7 @@ def test_dry_run_lists_runs_without_running(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "fsdp_bench.cli",
+            "fsdp_bench",
             "sweep",
             str(path),
             "--dry-run",

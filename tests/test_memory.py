@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
-from fsdp_bench.memory import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
-from fsdp_bench.presets import PRESETS
+from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.memory.analytic import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
 
 
 def test_seed_000_sharded_steady_state_and_lower_bound() -> None:

@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_bench.config import FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.fsdp import parallelize, plan_groups
-from fsdp_bench.models import build_model
-from fsdp_bench.presets import PRESETS
-from fsdp_bench.training import loss_fn, rank_batches
+from fsdp_bench.job.models import build_model
+from fsdp_bench.job.parallelize import parallelize, plan_groups
+from fsdp_bench.job.training import loss_fn, rank_batches
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_user_model_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         textwrap.dedent(
             """
             from torch import nn
-            from fsdp_bench.models import ModelBundle
+            from fsdp_bench import ModelBundle
 
             class Net(nn.Module):
                 def __init__(self, width):
@@ -86,7 +86,7 @@ def test_user_model_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(bundle.blocks) == 3 and bundle.module.embed.weight.shape == (100, 8)
     assert plan_groups(bundle, "block").num_groups == 4
     with pytest.raises(
-        ConfigError, match=r"returned Net, expected fsdp_bench\.models\.ModelBundle"
+        ConfigError, match=r"returned Net, expected fsdp_bench\.ModelBundle"
     ):
         build_model(ModelConfig(name="my_models:not_a_bundle"))
     with pytest.raises(ConfigError, match="has no function 'missing'"):

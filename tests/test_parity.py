@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fsdp_bench.parity import _compare
+from fsdp_bench.job.parity import _compare
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow

@@ -18,14 +18,15 @@ import pandas as pd
 import pytest
 import yaml
 
-from fsdp_bench import load_results, summaries
-from fsdp_bench.cli import main
-from fsdp_bench.compare import compare_results
-from fsdp_bench.config import FsdpConfig, RunConfig
-from fsdp_bench.figures import FIGURES
-from fsdp_bench.reporting import build_report
-from fsdp_bench.results import ResultStore, RunResult
-from fsdp_bench.schema import to_plain
+from fsdp_bench import load_results
+from fsdp_bench.cli.main import main
+from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.report import summaries
+from fsdp_bench.report.build import build_report
+from fsdp_bench.report.compare import compare_results
+from fsdp_bench.report.figures import FIGURES
+from fsdp_bench.store import ResultStore, RunResult
 
 # --- a hand-built results folder: failures in some cells, cells missing -----------------------
 

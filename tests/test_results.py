@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from fsdp_bench import load_results
-from fsdp_bench.config import FsdpConfig, RunConfig
-from fsdp_bench.results import ResultStore, RunResult, write_atomic
-from fsdp_bench.schema import to_plain
+from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.store import ResultStore, RunResult, write_atomic
 
 CONTRACT = [
     "run_id",

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bench.codegen import fully_shard_code
-from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
-from fsdp_bench.grid import build_point, load_grid, search_space
-from fsdp_bench.models import build_model
-from fsdp_bench.reporting import build_report
-from fsdp_bench.results import ResultStore, RunResult
-from fsdp_bench.schema import to_plain
+from fsdp_bench.cli.codegen import fully_shard_code
+from fsdp_bench.config.grid import build_point, load_grid, search_space
+from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.job.models import build_model
+from fsdp_bench.job.training import loss_fn, rank_batches
+from fsdp_bench.report.build import build_report
 from fsdp_bench.search import (
     SearchOptions,
     best_feasible,
@@ -32,7 +32,7 @@ from fsdp_bench.search import (
     open_study,
     run_search,
 )
-from fsdp_bench.training import loss_fn, rank_batches
+from fsdp_bench.store import ResultStore, RunResult
 from tests.conftest import REPO, started_counts, write_grid
 
 GRID = {
@@ -91,7 +91,7 @@ def test_search_resumes_after_a_kill_without_repeating(tmp_path: Path) -> None:
     grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 2, "timed_steps": 8, "repeats": 2}}
     path = write_grid(tmp_path, grid)
     results = tmp_path / "r"
-    command = [sys.executable, "-m", "fsdp_bench.cli", "search", str(path), "--results",
+    command = [sys.executable, "-m", "fsdp_bench", "search", str(path), "--results",
                str(results), "--no-progress"]  # fmt: skip
     driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
@@ -202,13 +202,13 @@ def test_search_settings_are_validated(tmp_path: Path) -> None:
     bad = {**GRID, "search": {"trials": 0}}
     path = write_grid(tmp_path, bad)
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_bench.cli", "search", str(path)],
+        [sys.executable, "-m", "fsdp_bench", "search", str(path)],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 2
     assert "search.trials: 0 is not allowed; expected an integer >= 1" in done.stderr
     flag = subprocess.run(
-        [sys.executable, "-m", "fsdp_bench.cli", "search", str(write_grid(tmp_path, GRID)),
+        [sys.executable, "-m", "fsdp_bench", "search", str(write_grid(tmp_path, GRID)),
          "--parallel", "0"],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
@@ -278,7 +278,7 @@ def test_a_database_storage_holds_the_study(tmp_path: Path) -> None:
     drawn = {figure.name: figure for figure in report.figures}
     assert not drawn["search_progress"].skipped, "the report reads the study from the database"
     bad = subprocess.run(
-        [sys.executable, "-m", "fsdp_bench.cli", "search", str(write_grid(tmp_path, GRID)),
+        [sys.executable, "-m", "fsdp_bench", "search", str(write_grid(tmp_path, GRID)),
          "--storage", "nonsense://x", "--results", str(tmp_path / "r")],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from fsdp_bench import load_results
-from fsdp_bench.config import RunConfig
+from fsdp_bench.config.grid import load_grid
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.grid import load_grid
-from fsdp_bench.slurm import SlurmLauncher, squeue_states
-from fsdp_bench.worker import JobSpec
+from fsdp_bench.job.worker import JobSpec
+from fsdp_bench.launch.slurm import SlurmLauncher, squeue_states
 from tests.conftest import QUICK_MEASURE, REPO, started_counts, sweep, write_grid
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -210,7 +210,7 @@ def test_killed_driver_resumes_without_resubmitting(
     )
     path = write_grid(tmp_path, grid)
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results",
+    command = [sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results",
                str(results), "--no-progress"]  # fmt: skip
     env = {**os.environ, "SLURM_CONF": slurm_cluster["SLURM_CONF"]}
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
@@ -247,7 +247,7 @@ def test_shell_injection_in_launcher_settings_is_rejected(
         grid = slurm_grid("inject", {"data.seed": [0]}, launcher=bad)
         path = write_grid(tmp_path, grid)
         done = subprocess.run(
-            [sys.executable, "-m", "fsdp_bench.cli", "sweep", str(path), "--results",
+            [sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results",
              str(tmp_path / "results")],
             capture_output=True, text=True, cwd=REPO,
         )  # fmt: skip
@@ -268,7 +268,7 @@ def test_sbatch_script_carries_every_setting(slurm_cluster: dict[str, str], tmp_
         },
     }
     spec = load_grid(write_grid(tmp_path, grid))
-    from fsdp_bench.grid import expand
+    from fsdp_bench.config.grid import expand
 
     run = expand(spec).runs[0]
     assert (run.nodes, run.processes_per_node) == (2, 8)
@@ -280,7 +280,7 @@ def test_sbatch_script_carries_every_setting(slurm_cluster: dict[str, str], tmp_
 
 
 def _runs(folder: Path, grid: dict[str, Any]) -> list[RunConfig]:
-    from fsdp_bench.grid import expand
+    from fsdp_bench.config.grid import expand
 
     return expand(load_grid(write_grid(folder, grid))).runs
 

@@ -1,0 +1,154 @@
+"""The Python that reproduces a run's parallelism in a user's own training script.
+
+What `fsdp.py` does for a RunConfig, written out as the handful of torch calls it amounts to,
+for a model whose transformer blocks are `model.layers` (adjust the name to yours).
+"""
+
+from __future__ import annotations
+
+from fsdp_bench.config.run import RunConfig, grouping_block_count
+
+
+def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
+    """Source code: mesh, policies, activation checkpointing, fully_shard calls, prefetch,
+    and the accumulation loop. It expects `model` (blocks in `model.layers`), and for the
+    step `inputs`/`targets` or `micro_batches` and `loss_fn`."""
+    lines = [
+        "import torch",
+        "from torch.distributed.device_mesh import init_device_mesh",
+    ]
+    if run.strategy == "ddp":
+        lines += _ddp_code(run, device)
+        return "\n".join(lines) + "\n"
+    policies = [
+        name
+        for name, used in (
+            ("CPUOffloadPolicy", run.fsdp.cpu_offload),
+            ("MixedPrecisionPolicy", run.fsdp.mixed_precision == "bf16"),
+        )
+        if used
+    ]
+    if run.fsdp.activation_checkpointing == "block":
+        lines.append(
+            "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
+            "checkpoint_wrapper"
+        )
+    lines += [
+        f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}",
+        "",
+        f"# world size {run.world_size}: {run.nodes} node(s) x "
+        f"{run.world_size // run.nodes} process(es); build the model on the meta device first",
+    ]
+    if len(run.mesh_shape) == 2:
+        lines.append(
+            f'mesh = init_device_mesh("{device}", {run.mesh_shape}, '
+            'mesh_dim_names=("replicate", "shard"))  # HSDP'
+        )
+    else:
+        lines.append(f'mesh = init_device_mesh("{device}", ({run.world_size},))')
+    options = ["mesh=mesh"]
+    reshard = run.fsdp.reshard_after_forward
+    if reshard != "default":
+        options.append(f"reshard_after_forward={reshard!r}")
+    if run.fsdp.mixed_precision == "bf16":
+        lines.append(
+            "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32)"
+        )
+        options.append("mp_policy=mp_policy")
+    if run.fsdp.cpu_offload:
+        options.append("offload_policy=CPUOffloadPolicy()")
+    lines.append(f"options = dict({', '.join(options)})")
+    if run.fsdp.activation_checkpointing == "block":
+        lines += [
+            "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
+            "    model.layers[index] = checkpoint_wrapper(block)",
+        ]
+    lines += _grouping_code(str(run.fsdp.grouping), run.model.tie_embeddings)
+    lines.append("fully_shard(model, **options)  # the root last")
+    if run.fsdp.prefetch != "implicit":
+        depth = int(run.fsdp.prefetch)
+        lines += [
+            "blocks = list(model.layers)",
+            "for index, block in enumerate(blocks):",
+            f"    block.set_modules_to_forward_prefetch(blocks[index + 1 : index + {depth + 1}])",
+            f"    earlier = blocks[max(0, index - {depth}) : index]",
+            "    block.set_modules_to_backward_prefetch(earlier[::-1])",
+        ]
+    lines += [
+        f'model.to_empty(device="{device}")',
+        "model.init_weights()  # or reset_parameters() on each submodule",
+        "optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: shards only",
+    ]
+    lines += _step_code(run, "model.set_requires_gradient_sync")
+    return "\n".join(lines) + "\n"
+
+
+def _grouping_code(grouping: str, tied: bool | None) -> list[str]:
+    k = grouping_block_count(grouping)
+    if grouping == "root":
+        return []
+    if grouping == "block":
+        return ["for block in model.layers:", "    fully_shard(block, **options)"]
+    if k is not None:
+        return [
+            f"for start in range(0, len(model.layers), {k}):  # {k} blocks per group",
+            f"    fully_shard(list(model.layers[start : start + {k}]), **options)",
+        ]
+    if grouping == "linear":
+        code = [
+            "linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]",
+            "for linear in linears:  # a tied LM head must share a group with the embedding",
+            "    if linear is not model.output:",
+            "        fully_shard(linear, **options)",
+            "fully_shard([model.tok_embeddings, model.output], **options)",
+        ]
+        return code if tied else [*code[:2], "    fully_shard(linear, **options)"]
+    patterns = grouping.removeprefix("modules:").split(",")
+    return [
+        "import fnmatch",
+        f"patterns = {patterns!r}",
+        "named = [(n, m) for n, m in model.named_modules() if n]",
+        "for name, module in reversed(named):  # deepest first",
+        "    if any(fnmatch.fnmatchcase(name, p) for p in patterns):",
+        "        fully_shard(module, **options)",
+    ]
+
+
+def _ddp_code(run: RunConfig, device: str) -> list[str]:
+    wrap = (
+        "DistributedDataParallel(model.cuda(), device_ids=[local_rank])"
+        if device == "cuda"
+        else "DistributedDataParallel(model)"
+    )
+    lines = [
+        "from torch.nn.parallel import DistributedDataParallel",
+        "",
+        f"model = {wrap}",
+        "optimizer = torch.optim.AdamW(model.parameters())",
+    ]
+    if run.fsdp.mixed_precision == "bf16":
+        lines.append("# forward under torch.autocast('cuda', dtype=torch.bfloat16)")
+    return lines + _step_code(run, None)
+
+
+def _step_code(run: RunConfig, sync_setter: str | None) -> list[str]:
+    k = run.train.accumulation_steps
+    if k == 1:
+        return [
+            "loss_fn(model(inputs), targets).backward()",
+            "optimizer.step()",
+            "optimizer.zero_grad()",
+        ]
+    lines = [f"for index, (inputs, targets) in enumerate(micro_batches):  # {k} per step"]
+    if run.train.grad_sync == "last":
+        if sync_setter:
+            lines.append(f"    {sync_setter}(index == {k - 1})  # reduce-scatter once")
+        else:
+            lines.append(f"    model.require_backward_grad_sync = index == {k - 1}")
+    lines += [
+        f"    (loss_fn(model(inputs), targets) / {k}).backward()",
+        "optimizer.step()",
+        "optimizer.zero_grad()",
+    ]
+    return lines

@@ -1,0 +1,248 @@
+"""Command line: parse, call one function, turn user errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fsdp_bench.errors import FsdpBenchError
+
+DEFAULT_GRID = "quickstart.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except FsdpBenchError as err:
+        if args.debug:
+            raise
+        print(f"fsdp-bench: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(
+            "\nfsdp-bench: interrupted; every finished run is recorded. "
+            "Run the same command again to resume.",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-bench",
+        description="Measure which FSDP2 configuration trains your model fastest within memory.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    sweep = commands.add_parser("sweep", help="run every point of a grid and record the results")
+    sweep.add_argument(
+        "grid",
+        nargs="?",
+        help=f"grid YAML file (default: the built-in {DEFAULT_GRID}, a small CPU sweep)",
+    )
+    sweep.add_argument("--results", type=Path, help="results folder (default: results/<grid name>)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    sweep.add_argument(
+        "--status",
+        action="store_true",
+        help="where every run is (recorded, running, queued, not submitted) and why",
+    )
+    sweep.add_argument("--rerun", action="store_true", help="run recorded runs again")
+    sweep.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each configuration against a single-process step before timing it",
+    )
+    sweep.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="launch runs predicted over memory.budget_gib too",
+    )
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep.set_defaults(handler=_sweep)
+
+    estimate = commands.add_parser(
+        "estimate", help="predicted peak memory per rank of every run, without a GPU"
+    )
+    estimate.add_argument("grid", nargs="?", help=f"grid YAML file (default: {DEFAULT_GRID})")
+    estimate.add_argument(
+        "--results", type=Path, help="results folder (estimates are cached there)"
+    )
+    estimate.add_argument("--json", action="store_true", help="machine-readable output")
+    estimate.set_defaults(handler=_estimate)
+
+    search = commands.add_parser(
+        "search", help="optuna: the fastest configuration of a grid's axes that fits a budget"
+    )
+    search.add_argument("grid", nargs="?", help=f"grid YAML file (default: {DEFAULT_GRID})")
+    search.add_argument("--budget-gib", type=float, help="memory per rank (memory.budget_gib)")
+    search.add_argument("--trials", type=int, help="trials in the study (search.trials)")
+    search.add_argument("--parallel", type=int, help="trials in flight (search.parallel)")
+    search.add_argument("--sampler", choices=["tpe", "random", "grid", "gp"])
+    search.add_argument("--seed", type=int)
+    search.add_argument("--metric", help="results column to optimise (search.metric)")
+    search.add_argument(
+        "--multi-objective", action="store_true", help="optimise the metric and peak memory"
+    )
+    search.add_argument("--storage", help="optuna storage URL (default: a journal file)")
+    search.add_argument("--results", type=Path, help="results folder (default: results/<name>)")
+    search.add_argument("--no-prune", action="store_true", help="launch predicted OOMs too")
+    search.add_argument("--verify", action="store_true", help="parity check before timing")
+    search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.set_defaults(handler=_search)
+
+    report = commands.add_parser(
+        "report", help="figures, report.html and summary.md for a results folder"
+    )
+    report.add_argument("results", type=Path, help="results folder of a sweep or search")
+    report.add_argument(
+        "--compare", type=Path, metavar="OTHER", help="a second results folder, side by side"
+    )
+    report.add_argument("--out", type=Path, help="report folder (default: RESULTS/report)")
+    report.add_argument("--svg", action="store_true", help="write SVG figures beside the PNGs")
+    report.add_argument(
+        "--budget-gib", type=float, help="memory per rank (default: the grid's memory.budget_gib)"
+    )
+    report.add_argument(
+        "--storage", help="the search's optuna storage URL, if it ran with --storage"
+    )
+    report.set_defaults(handler=_report)
+
+    for command in (sweep, estimate, search, report):
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
+    return parser
+
+
+def _grid_path(given: str | None) -> Path:
+    if given is not None:
+        return Path(given)
+    return Path(str(resources.files("fsdp_bench") / "grids" / DEFAULT_GRID))
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from fsdp_bench.cli import views
+    from fsdp_bench.config.grid import expand, load_grid
+    from fsdp_bench.sweep import SweepOptions, results_dir_for, run_sweep
+
+    spec = load_grid(_grid_path(args.grid))
+    if args.dry_run:
+        print(views.describe_expansion(spec, args.results))
+        return 0
+    if args.status:
+        print(views.describe_status(spec, args.results))
+        return 0
+    options = SweepOptions(
+        results_dir=args.results,
+        rerun=args.rerun,
+        verify=args.verify,
+        prune=not args.no_prune,
+        progress=not args.no_progress,
+    )
+    total = len(expand(spec).runs)
+    print(f"sweep {spec.name}: {total} runs -> {results_dir_for(spec, args.results)}")
+    outcome = run_sweep(spec, options)
+    if outcome.already_recorded and not args.rerun:
+        print(f"{outcome.already_recorded} runs were already recorded (--rerun runs them again)")
+    _print_ranking(outcome.results_dir, outcome.run_ids)
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from fsdp_bench.cli import views
+    from fsdp_bench.config.grid import load_grid
+
+    spec = load_grid(_grid_path(args.grid))
+    print(views.describe_estimates(spec, args.results, args.json))
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from fsdp_bench.cli import views
+    from fsdp_bench.config.grid import load_grid
+    from fsdp_bench.search import SearchOptions, run_search
+
+    spec = load_grid(_grid_path(args.grid))
+    overrides = {
+        key: getattr(args, key)
+        for key in ("trials", "parallel", "sampler", "seed", "metric")
+        if getattr(args, key) is not None
+    }
+    if args.multi_objective:
+        overrides["multi_objective"] = True
+    spec = dataclasses.replace(spec, search=_replace_checked(spec.search, overrides))
+    if args.budget_gib is not None:
+        memory = _replace_checked(spec.memory, {"budget_gib": args.budget_gib})
+        spec = dataclasses.replace(spec, memory=memory)
+    options = SearchOptions(
+        results_dir=args.results,
+        storage=args.storage,
+        prune=not args.no_prune,
+        verify=args.verify,
+        progress=not args.no_progress,
+    )
+    outcome = run_search(spec, options)
+    print(views.describe_search(outcome, spec))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fsdp_bench.report.build import build_report
+
+    if args.budget_gib is not None:  # validated as the grid's memory.budget_gib is
+        from fsdp_bench.config.run import MemoryConfig
+
+        _replace_checked(MemoryConfig(), {"budget_gib": args.budget_gib})
+    outcome = build_report(
+        args.results,
+        out=args.out,
+        compare=args.compare,
+        svg=args.svg,
+        budget_gib=args.budget_gib,
+        storage=args.storage,
+    )
+    for path in outcome.paths:
+        print(path)
+    for figure in outcome.figures:
+        if figure.skipped:
+            print(f"not drawn: {figure.title}: {figure.skipped}")
+    print(outcome.headline)
+    return 0
+
+
+def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
+    """A config with command-line values, validated like the grid's (one-line errors that
+    name the flag)."""
+    import dataclasses
+
+    from fsdp_bench.errors import FieldError
+
+    try:
+        return dataclasses.replace(config, **changes)
+    except FieldError as err:
+        err.key = "--" + err.key.replace("_", "-")
+        raise err.located("") from None
+
+
+def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
+    from fsdp_bench.report.ranking import format_ranking, ranking
+    from fsdp_bench.store import load_results
+
+    table = ranking(load_results(results_dir), run_ids)
+    print(format_ranking(table))
+    failed = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
+    if len(failed):
+        print(f"{len(failed)} runs did not finish ok; see 'reason' in the results.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Terminal views of a grid: its expanded runs, where each run is, their memory estimates."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from fsdp_bench.config.grid import SweepSpec, axis_keys, expand, get_path
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import build, non_default_fields
+from fsdp_bench.errors import yaml_scalar
+from fsdp_bench.launch.driver import pack_runs
+from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom
+from fsdp_bench.store import ResultStore
+from fsdp_bench.sweep import results_dir_for, sweep_status
+
+if TYPE_CHECKING:
+    from fsdp_bench.search import SearchOutcome
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    )
+
+
+def describe_expansion(spec: SweepSpec, results: Path | None) -> str:
+    expansion = expand(spec)
+    done = ResultStore(results_dir_for(spec, results)).done_ids()
+    keys = axis_keys(spec)
+    rows = [
+        [
+            run.run_id,
+            *(yaml_scalar(get_path(run, k)) for k in keys),
+            "yes" if run.run_id in done else "no",
+        ]
+        for run in expansion.runs
+    ]
+    jobs = len(pack_runs(expansion.runs, spec.launcher))
+    return (
+        text_table(["run_id", *(k.split(".")[-1] for k in keys), "recorded"], rows)
+        + f"\n{len(expansion.runs)} runs in {jobs} jobs ({expansion.excluded} excluded, "
+        f"{expansion.collapsed} equal to another run)"
+    )
+
+
+def describe_status(spec: SweepSpec, results: Path | None) -> str:
+    states = sweep_status(spec, results)
+    rows = [[s.run_id, s.state, s.job_id or "-", s.detail] for s in states]
+    counts = Counter(s.state for s in states)
+    summary = ", ".join(f"{n} {state}" for state, n in counts.most_common())
+    return text_table(["run_id", "state", "job", "detail"], rows) + "\n" + summary
+
+
+def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> str:
+    """Every run's predicted peak per rank: analytic, simulated, with overhead, fits or not."""
+    runs = expand(spec).runs
+    store = ResultStore(results_dir_for(spec, results))
+    estimates = estimate_runs(runs, store.root / "estimates")
+    extra = overhead(spec.memory, store)
+    if as_json:
+        return json.dumps(
+            [
+                {
+                    **asdict(estimates[run.run_id]),
+                    "overhead_gib": extra.gib,
+                    "predicted_oom": predicted_oom(estimates[run.run_id], spec.memory, extra),
+                }
+                for run in runs
+            ],
+            indent=1,
+        )
+    keys = axis_keys(spec)
+    rows = []
+    for run in runs:
+        e = estimates[run.run_id]
+        fits = (
+            "?"
+            if spec.memory.budget_gib is None or e.simulated_gib is None
+            else ("no" if predicted_oom(e, spec.memory, extra) else "yes")
+        )
+        top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
+        rows.append(
+            [
+                run.run_id,
+                *(yaml_scalar(get_path(run, k)) for k in keys),
+                _gib(e.analytic_gib),
+                _gib(e.simulated_gib),
+                fits,
+                ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
+            ]
+        )
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "simulated", "fits",
+              "largest parts (GiB)"]  # fmt: skip
+    budget = spec.memory
+    footer = f"GiB per rank. overhead {extra.gib:.2f} GiB ({extra.source}); " + (
+        f"budget {budget.budget_gib:g} GiB, margin {budget.margin_gib:g} GiB"
+        if budget.budget_gib is not None
+        else "no budget (memory.budget_gib)"
+    )
+    return text_table(header, rows) + "\n" + footer
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> str:
+    """Counts, the best feasible configuration (YAML and fully_shard calls), the top runs,
+    and the Pareto front when two objectives were searched."""
+    from fsdp_bench.cli.codegen import fully_shard_code
+    from fsdp_bench.report.ranking import format_ranking, ranking
+    from fsdp_bench.search import best_feasible, pareto_front
+    from fsdp_bench.store import load_results
+
+    store = ResultStore(outcome.results_dir)
+    c = outcome.counts
+    trials = outcome.study.get_trials(deepcopy=False)
+    lines = [
+        f"search {spec.name}: {len(trials)} trials in {outcome.storage}; "
+        f"this session: {c['launched']} run, {c['pruned']} pruned by the estimate, "
+        f"{c['infeasible']} infeasible when measured, {c['failed']} failed, "
+        f"{c['from_store']} answered from the results store, {c['excluded']} excluded"
+    ]
+    best = best_feasible(outcome.study, store, spec)
+    budget = spec.memory.budget_gib
+    if best is None:
+        lines.append("no feasible configuration yet")
+        return "\n".join(lines)
+    trial, value = best
+    result = store.get(str(trial.user_attrs["run_id"]))
+    assert result is not None
+    fits = f" of a {budget:g} GiB budget" if budget is not None else ""
+    lines.append(
+        f"best feasible: {spec.search.metric} {value:,.6g} (trial {trial.number}, run "
+        f"{result.run_id}), peak {result.peak_memory_gib:.3f} GiB per rank{fits}"
+    )
+    run = build(RunConfig, result.config)
+    lines += [
+        "",
+        "as a grid base (YAML):",
+        _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
+    ]
+    lines += ["in your training script (Python):", _indent(fully_shard_code(run))]
+    finished = {str(t.user_attrs["run_id"]) for t in trials if "run_id" in t.user_attrs}
+    table = ranking(load_results(outcome.results_dir), finished)
+    lines += [f"top {top} of {len(table)} runs:", format_ranking(table.head(top))]
+    if spec.search.multi_objective:
+        front = pareto_front(outcome.study, store, spec)
+        front_ids = [t.user_attrs["run_id"] for t in sorted(front, key=lambda t: t.values[1])]
+        lines += [
+            "Pareto front (tokens vs peak memory):",
+            *(f"  {run_id}" for run_id in front_ids),
+        ]
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines()) + "\n"

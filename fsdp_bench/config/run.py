@@ -1,0 +1,344 @@
+"""The configuration values: what one run is (`RunConfig`), where it runs (`LauncherConfig`),
+and a whole grid (`SweepSpec`), with every check a user can trip over.
+
+Only `RunConfig` crosses process and host boundaries (with `RunResult`); it is a frozen tree
+of plain values, picklable and JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fsdp_bench.config.presets import PRESETS, SHAPE_OVERRIDES, ModelShape, resolve_shape
+from fsdp_bench.config.schema import bad_value, non_default_fields
+from fsdp_bench.errors import CombinationError
+
+GROUPING_HELP = (
+    "expected root, block, blocks:K (K >= 1 consecutive blocks per group), linear, "
+    "or a list of module-name patterns (e.g. ['layers.*.attention', 'layers.*.feed_forward'])"
+)
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    """A preset (tiny, small, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama2-7b) or
+    `package.module:function` returning an `fsdp_bench.ModelBundle`."""
+    tie_embeddings: bool | None = None
+    """Share the embedding and LM-head weight; None keeps the preset's choice."""
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a user model's function."""
+
+    def __post_init__(self) -> None:
+        if self.is_user_model:
+            if not _IMPORT_PATH.match(self.name):
+                raise bad_value("name", self.name, "expected package.module:function")
+            return
+        if self.name not in PRESETS:
+            raise bad_value(
+                "name",
+                self.name,
+                f"expected one of {', '.join(PRESETS)} or package.module:function",
+            )
+        if self.options:
+            raise bad_value("options", self.options, "options are for user models only")
+        for key in SHAPE_OVERRIDES:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise bad_value(key, value, "expected an integer >= 1")
+        shape = self.shape
+        if shape.dim % shape.n_heads:
+            raise bad_value("n_heads", shape.n_heads, f"must divide dim {shape.dim}")
+        if shape.n_heads % shape.n_kv_heads:
+            raise bad_value("n_kv_heads", shape.n_kv_heads, f"must divide n_heads {shape.n_heads}")
+
+    @property
+    def is_user_model(self) -> bool:
+        return ":" in self.name
+
+    @property
+    def shape(self) -> ModelShape:
+        """The preset with overrides applied (presets only)."""
+        overrides = {k: getattr(self, k) for k in SHAPE_OVERRIDES}
+        return resolve_shape(self.name, tie_embeddings=self.tie_embeddings, **overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    micro_batch_size: int = 1
+    """Sequences per rank per micro-batch."""
+    seq_len: int = 128
+    seed: int = 0
+    """Seeds the synthetic tokens and the weight initialisation."""
+
+    def __post_init__(self) -> None:
+        at_least(self, "micro_batch_size", 1)
+        at_least(self, "seq_len", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpConfig:
+    grouping: str | tuple[str, ...] = "block"
+    """Which modules get their own fully_shard call (the communication boundary). Given as a
+    string or a list of module-name patterns; stored as a string (`modules:a,b` for a list)."""
+    reshard_after_forward: bool | int | Literal["default"] = "default"
+    """true frees full parameters after forward; false keeps them to backward; an int
+    reshards to groups of that many ranks; default is FSDP2's own (true except the root)."""
+    prefetch: Literal["implicit"] | int = "implicit"
+    """implicit (FSDP2's default) or an explicit forward/backward prefetch depth."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: parameters and all-gathers in bf16, gradients reduced in fp32."""
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "block"] = "none"
+    shard_group_size: int | None = None
+    """hsdp: ranks that shard one replica; None: the processes of one node."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouping", canonical_grouping(self.grouping))
+        if self.shard_group_size is not None:
+            at_least(self, "shard_group_size", 1)
+        reshard = self.reshard_after_forward
+        if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
+            raise bad_value(
+                "reshard_after_forward", reshard, "expected true, false, default or an int >= 1"
+            )
+        if isinstance(self.prefetch, int) and self.prefetch < 1:
+            raise bad_value("prefetch", self.prefetch, "expected implicit or a depth >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    grad_sync: Literal["every", "last"] = "every"
+    """every: reduce-scatter after each micro-batch; last: only after the final one
+    (set_requires_gradient_sync(False) before the others: less communication, more memory)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = 1e-4
+
+    def __post_init__(self) -> None:
+        at_least(self, "accumulation_steps", 1)
+        if not self.learning_rate > 0:
+            raise bad_value("learning_rate", self.learning_rate, "expected a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    warmup_steps: int = 2
+    """Untimed optimizer steps before the timed ones (lazy init, allocator, caches); the last
+    one also counts collectives and tracks memory."""
+    timed_steps: int = 5
+    """Optimizer steps per timed repeat."""
+    repeats: int = 3
+    """Timed repeats; step time is their median, the spread is reported."""
+
+    def __post_init__(self) -> None:
+        at_least(self, "warmup_steps", 0)
+        at_least(self, "timed_steps", 1)
+        at_least(self, "repeats", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A fault to inject, to check that failures are classified (tests, cluster shakedowns)."""
+
+    kind: Literal["none", "oom", "error", "hang", "exit"] = "none"
+    """oom: a real allocation far beyond memory; error: an exception; hang: stop taking part
+    in collectives; exit: the process dies without a word."""
+    rank: int = 0
+    """The rank that misbehaves (the others run normally)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One point of a grid: everything that decides what is run and measured."""
+
+    world_size: int = 1
+    """Processes (GPUs) taking part."""
+    processes_per_node: int | None = None
+    """Processes per node; None puts every rank on one node."""
+    strategy: Literal["fsdp", "hsdp", "ddp"] = "fsdp"
+    """fsdp: FSDP2 fully_shard over all ranks; hsdp: shard inside groups of
+    fsdp.shard_group_size ranks (a node by default), replicate across them (2-D mesh);
+    ddp: DistributedDataParallel, the baseline to beat."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        at_least(self, "world_size", 1)
+        ppn = self.processes_per_node
+        if ppn is not None and (ppn < 1 or self.world_size % ppn):
+            raise CombinationError(
+                "processes_per_node",
+                ppn,
+                f"must divide world_size {self.world_size} "
+                "(nodes = world_size / processes_per_node)",
+            )
+        shard = self.shard_group_size
+        if self.strategy == "hsdp" and (self.world_size % shard or self.world_size == shard):
+            raise CombinationError(
+                "strategy",
+                self.strategy,
+                f"hsdp needs at least two replicas of {shard} ranks in world_size "
+                f"{self.world_size}: set fsdp.shard_group_size to a proper divisor, or use nodes",
+            )
+        reshard = self.fsdp.reshard_after_forward
+        if isinstance(reshard, int) and not isinstance(reshard, bool) and shard % reshard:
+            raise CombinationError(
+                "fsdp.reshard_after_forward",
+                reshard,
+                f"an int must divide the shard group size ({shard} ranks): "
+                f"allowed true, false, default or one of {_divisors(shard)}",
+            )
+        if not 0 <= self.fault.rank < self.world_size:
+            raise CombinationError(
+                "fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}"
+            )
+        if not self.model.is_user_model:
+            n_layers = self.model.shape.n_layers
+            k = grouping_block_count(str(self.fsdp.grouping))
+            if k is not None and k > n_layers:
+                raise CombinationError(
+                    "fsdp.grouping",
+                    self.fsdp.grouping,
+                    f"K must be at most the model's {n_layers} blocks",
+                )
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // (self.processes_per_node or self.world_size)
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks over which parameters are sharded (all of them, except under hsdp)."""
+        if self.strategy != "hsdp":
+            return self.world_size
+        return self.fsdp.shard_group_size or self.processes_per_node or self.world_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """(world,) or, for hsdp, (replicas, shard group)."""
+        shard = self.shard_group_size
+        return (self.world_size,) if shard == self.world_size else (self.world_size // shard, shard)
+
+    @property
+    def run_id(self) -> str:
+        """Stable id: a hash of the settings that differ from the defaults."""
+        canonical = json.dumps(non_default_fields(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step over all ranks."""
+        d = self.data
+        return self.world_size * d.micro_batch_size * d.seq_len * self.train.accumulation_steps
+
+    def canonical(self) -> RunConfig:
+        """Settings that cannot matter reset to defaults, so equal runs get equal ids.
+
+        Under DDP the FSDP-only knobs (grouping, resharding, prefetch, offload) do nothing;
+        outside hsdp the shard group is every rank.
+        """
+        if self.strategy == "fsdp" and self.fsdp.shard_group_size is not None:
+            return dataclasses.replace(
+                self, fsdp=dataclasses.replace(self.fsdp, shard_group_size=None)
+            )
+        if self.strategy != "ddp":
+            return self
+        plain = FsdpConfig(
+            mixed_precision=self.fsdp.mixed_precision,
+            activation_checkpointing=self.fsdp.activation_checkpointing,
+        )
+        return dataclasses.replace(self, fsdp=plain)
+
+
+def canonical_grouping(value: object) -> str:
+    """Validate a grouping and give its one string form (`modules:` + patterns for lists)."""
+    if isinstance(value, (list, tuple)):
+        patterns = [str(p).strip() for p in value]
+        if not patterns or not all(patterns) or any("," in p for p in patterns):
+            raise bad_value("grouping", list(value), GROUPING_HELP)
+        return "modules:" + ",".join(patterns)
+    if not isinstance(value, str):
+        raise bad_value("grouping", value, GROUPING_HELP)
+    if value in ("root", "block", "linear"):
+        return value
+    if value.startswith("modules:") and all(value[len("modules:") :].split(",")):
+        return value
+    match = re.fullmatch(r"blocks:(\d+)", value)
+    if match and int(match.group(1)) >= 1:
+        return value
+    raise bad_value("grouping", value, GROUPING_HELP)
+
+
+def grouping_block_count(grouping: str) -> int | None:
+    """K of `blocks:K`, else None."""
+    return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """A per-rank memory budget: runs predicted not to fit are recorded, not launched."""
+
+    budget_gib: float | None = None
+    """Memory one rank may use (a GPU's capacity, say 80); None: no pruning."""
+    margin_gib: float = 0.0
+    """Kept free below the budget, for what estimates cannot see."""
+    overhead_gib: float | None = None
+    """Added to every estimate for memory outside tensors (CUDA context, NCCL buffers,
+    allocator reserve); None: calibrated from measured CUDA runs in the results folder, else 0."""
+
+    def __post_init__(self) -> None:
+        for key in ("budget_gib", "overhead_gib"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise bad_value(key, value, "expected a number > 0 (GiB)")
+        if not self.margin_gib >= 0:
+            raise bad_value("margin_gib", self.margin_gib, "expected a number >= 0 (GiB)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """`fsdp-bench search`: optuna samples the grid's axes instead of enumerating them."""
+
+    metric: str = "tokens_per_s"
+    """A numeric results column to optimise (tokens_per_s, mfu, step_time_s, ...)."""
+    direction: Literal["maximize", "minimize"] = "maximize"
+    trials: int = 20
+    """Trials in the study (a rerun with more trials continues it)."""
+    parallel: int = 1
+    """Trials in flight at once on the launcher."""
+    sampler: Literal["tpe", "random", "grid", "gp"] = "tpe"
+    seed: int | None = None
+    multi_objective: bool = False
+    """Optimise the metric and peak memory together; report the Pareto front."""
+
+    def __post_init__(self) -> None:
+        at_least(self, "trials", 1)
+        at_least(self, "parallel", 1)
+
+
+def at_least(obj: object, key: str, minimum: int) -> None:
+    value = getattr(obj, key)
+    if value < minimum:
+        raise bad_value(key, value, f"expected an integer >= {minimum}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,225 @@
+"""What a run measures besides time: collectives per step, peak memory, MFU.
+
+Each measurement runs in its own untimed optimizer step, so the timed steps carry nothing but
+the training step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.training import Batch, make_train_step
+
+# c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
+# `_reduce_scatter_base_` per group reduction; DDP's Python comm hook issues `allreduce_`.
+_ALL_GATHER = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
+_REDUCE_SCATTER = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+_ALL_REDUCE = {"allreduce_", "allreduce_coalesced_"}
+_MATMULS = {"mm", "addmm", "bmm"}
+
+
+@dataclass
+class CollectiveCounts:
+    """Collectives issued by one rank in one optimizer step, and the bytes of their full buffers
+    (all-gather output, reduce-scatter input, all-reduce tensor: the unsharded size)."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+    other: int = 0
+    all_gathers_before_compute: int = 0
+    """All-gathers issued before the step's first matmul: explicit prefetch raises it."""
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives as they pass through the dispatcher (exact and repeatable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = CollectiveCounts()
+        self._computing = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace == "c10d":
+            self._record(func._opname, args)
+        elif not self._computing and func._opname in _MATMULS:
+            self._computing = True
+            self.counts.all_gathers_before_compute = self.counts.all_gathers
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+        c = self.counts
+        if name in _ALL_GATHER:
+            c.all_gathers += 1
+            c.all_gather_bytes += _nbytes(args[0])
+        elif name in _REDUCE_SCATTER:
+            c.reduce_scatters += 1
+            c.reduce_scatter_bytes += _nbytes(args[1])
+        elif name in _ALL_REDUCE:
+            c.all_reduces += 1
+            c.all_reduce_bytes += _nbytes(args[0])
+        else:
+            c.other += 1
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@dataclass
+class MemoryReport:
+    """Peak of tracked tensor memory in one step, with the breakdown at the moment of the peak
+    (parameter, gradient, optimizer_state, activation, temp, buffer, other)."""
+
+    peak_bytes: int
+    breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    module_peaks: dict[str, int] = field(default_factory=dict)
+    """Peak while each module ran: `<fqn> forward` / `<fqn> backward` -> bytes (last
+    micro-batch). The step's peak is the largest of these moments (or of the optimizer's)."""
+
+
+@dataclass
+class StepProfile:
+    counts: CollectiveCounts
+    memory: MemoryReport
+
+
+def profile_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], run: RunConfig
+) -> StepProfile:
+    """One untimed optimizer step under the memory tracker and the collective counter.
+
+    Memory is the tensor-level peak in steady state (the model must have stepped already, so
+    that optimizer state exists), from torch's MemTracker, which follows every storage
+    (including FSDP2's resized unsharded parameters) without touching FSDP's hooks. Not
+    FSDPMemTracker: it re-registers FSDP's forward hooks per module, which changes the
+    schedule of list-form groups (`blocks:K`, a tied embedding and head): 9 all-gathers
+    instead of 5 for blocks:2 on the tiny model. Where both apply they agree to the byte.
+    The tracker treats a second root forward as a new iteration; its per-module statistics
+    are cleared between micro-batches (the peak survives).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    step = make_train_step(
+        model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
+    )
+    counter = CollectiveCounter()
+    with tracker, counter:
+        step()
+    memory = _snapshot(tracker)
+    if isinstance(model, DistributedDataParallel):
+        add_ddp_buckets(memory, model)
+    return StepProfile(counter.counts, memory)
+
+
+def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:
+    """DDP's gradient buckets: flat copies of every gradient, allocated before any tracked
+    step and alive through all of them, so the tracker never sees them being made."""
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory.peak_bytes += buckets
+    memory.breakdown_bytes["ddp_gradient_buckets"] = buckets
+
+
+def _module_peaks(tracker: Any) -> dict[str, int]:
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    peaks: dict[str, int] = {}
+    for stats in tracker.memory_tracking.values():
+        for label, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW)):
+            totals = [
+                sum(per_device["Total"] for per_device in snapshot.values())
+                for snapshot in stats.snapshots.get(state, [])
+            ]
+            if totals:
+                peaks[f"{stats.mod_fqn} {label}"] = max(totals)
+    return peaks
+
+
+def _snapshot(tracker: Any) -> MemoryReport:
+    snapshot: dict[Any, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for key, value in per_device.items():
+            name = key if isinstance(key, str) else key.value
+            snapshot[name] = snapshot.get(name, 0) + value
+    total = snapshot.pop("Total", sum(snapshot.values()))
+    breakdown = {_category(name): value for name, value in snapshot.items() if value}
+    return MemoryReport(total, breakdown, _module_peaks(tracker))
+
+
+def _category(name: str) -> str:
+    """'Sharded Param' -> 'sharded_param', 'OptState' -> 'optimizer_state'."""
+    lowered = name.lower().replace(" ", "_")
+    return {"optstate": "optimizer_state", "act": "activation", "inp": "inputs"}.get(
+        lowered, lowered
+    )
+
+
+@dataclass(frozen=True)
+class TimeSummary:
+    """Per-step wall time over repeats: median and spread (seconds)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+
+    @property
+    def spread_pct(self) -> float:
+        """(max - min) / median, in percent: how much to trust a ranking by this time."""
+        return 100.0 * (self.max_s - self.min_s) / self.median_s if self.median_s else 0.0
+
+
+def summarize_times(step_times_s: list[float]) -> TimeSummary:
+    return TimeSummary(
+        median_s=statistics.median(step_times_s), min_s=min(step_times_s), max_s=max(step_times_s)
+    )
+
+
+# Dense (no sparsity) peak tensor-core throughput per GPU, FLOP/s, from NVIDIA's datasheets:
+# H100 SXM / H200 / GH200: 989.4 TFLOPS BF16, 494.7 TF32; H100 PCIe: 756 BF16, 378 TF32;
+# A100: 312 BF16, 156 TF32; L40S: 362 BF16, 183 TF32; B200: 2250 BF16, 1100 TF32.
+# fp32 runs count as TF32 only when torch allows TF32 matmuls; otherwise the plain FP32 rate
+# (H100 SXM / H200 67, H100 PCIe 51, A100 19.5, L40S 91.6, B200 75 TFLOPS).
+_PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
+    # (name fragment, bf16, tf32, fp32); first match wins, so specific names come first
+    ("GH200", 989.4, 494.7, 67.0),
+    ("H200", 989.4, 494.7, 67.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.4, 494.7, 67.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("B200", 2250.0, 1100.0, 75.0),
+]
+
+
+def peak_flops(device_name: str, mixed_precision: str) -> float | None:
+    """Peak FLOP/s of one device for the run's compute dtype; None when unknown (CPUs)."""
+    for fragment, bf16, tf32, fp32 in _PEAK_TFLOPS:
+        if fragment in device_name:
+            if mixed_precision == "bf16":
+                return bf16 * 1e12
+            tf32_on = torch.backends.cuda.matmul.allow_tf32
+            return (tf32 if tf32_on else fp32) * 1e12
+    return None

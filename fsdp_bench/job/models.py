@@ -1,0 +1,198 @@
+"""The model zoo: a Llama-style decoder built on the meta device, and user models by import path.
+
+Models are built without memory (meta device), sharded, then materialised with `to_empty` and
+`init_weights` (seed 000, section 11): no rank ever holds a full copy of a large model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_bench.config.presets import ModelShape
+from fsdp_bench.config.run import ModelConfig
+from fsdp_bench.errors import ConfigError
+
+
+@dataclass
+class ModelBundle:
+    """What fsdp-bench needs to know about a model; a user's function returns one.
+
+    The module maps token ids (batch, seq) to logits (batch, seq, vocab_size).
+    """
+
+    module: nn.Module
+    blocks: list[nn.Module]
+    """The repeated units in forward order (transformer blocks): the `block` grouping unit."""
+    vocab_size: int
+    flops_per_token: Callable[[int], float] | None = None
+    """Training FLOPs per token for a sequence length (for MFU); None: MFU not reported."""
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.n_heads = shape.n_heads
+        self.n_kv_heads = shape.n_kv_heads
+        self.head_dim = shape.head_dim
+        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder; `output` shares `tok_embeddings.weight` when tie_embeddings is set."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        cos, sin = _rope_tables(self.shape, tokens.shape[1], x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic given the torch seed; works on sharded (DTensor) parameters too."""
+        std = 0.02
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.shape.tie_embeddings else std)
+        if self.shape.tie_embeddings:
+            self.tok_embeddings.weight.mul_(std)
+        depth_std = std / math.sqrt(2 * self.shape.n_layers)
+        blocks = [m for m in self.modules() if isinstance(m, TransformerBlock)]  # even if wrapped
+        for layer in blocks:
+            for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                nn.init.normal_(linear.weight, std=std)
+            for linear in (layer.feed_forward.w1, layer.feed_forward.w3):
+                nn.init.normal_(linear.weight, std=std)
+            nn.init.normal_(layer.attention.wo.weight, std=depth_std)
+            nn.init.normal_(layer.feed_forward.w2.weight, std=depth_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.shape.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=self.shape.dim**-0.5)
+
+
+def _rope_tables(shape: ModelShape, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Rotary cos/sin tables (seq, 1, head_dim/2); cheap next to the blocks, so not cached."""
+    half = shape.head_dim // 2
+    freqs = 1.0 / (shape.rope_theta ** (torch.arange(half, device=device) / half))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+def build_model(config: ModelConfig) -> ModelBundle:
+    """Build the model on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        if config.is_user_model:
+            bundle = _call_user_model(config)
+        else:
+            shape = config.shape
+            model = Transformer(shape)
+            bundle = ModelBundle(
+                module=model,
+                blocks=list(model.layers),
+                vocab_size=shape.vocab_size,
+                flops_per_token=shape.flops_per_token,
+            )
+    return bundle
+
+
+def init_weights(module: nn.Module) -> None:
+    """Materialised weights: the model's `init_weights`, else each submodule's reset_parameters."""
+    init = getattr(module, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    with torch.no_grad():
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def load_user_model_function(name: str) -> Callable[..., ModelBundle]:
+    """Import `package.module:function`; a clear error when it is not there."""
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"model.name: cannot import {module_name!r} ({err})") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ConfigError(f"model.name: {module_name!r} has no function {attr!r}")
+    return function
+
+
+def _call_user_model(config: ModelConfig) -> ModelBundle:
+    bundle = load_user_model_function(config.name)(**config.options)
+    if not isinstance(bundle, ModelBundle):
+        raise ConfigError(
+            f"model.name: {config.name} returned {type(bundle).__name__}, "
+            "expected fsdp_bench.ModelBundle(module=..., blocks=[...], vocab_size=...)"
+        )
+    return bundle

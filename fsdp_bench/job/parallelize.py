@@ -1,0 +1,274 @@
+"""Apply a run's parallelism to a meta-device model: FSDP2 (fully_shard) or the DDP baseline.
+
+The FSDP2 path is the usual one: activation checkpointing first, then `fully_shard` on each
+group bottom-up, the root last, explicit prefetch wired between groups, and only then the
+parameters are materialised shard by shard (seed 000, sections 04-11).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
+from fsdp_bench.errors import ConfigError
+from fsdp_bench.job.models import ModelBundle, init_weights
+
+
+@dataclass
+class Group:
+    """One fully_shard call: its modules (by qualified name) and what it all-gathers."""
+
+    names: list[str]
+    modules: list[nn.Module] = field(repr=False)
+    num_params: int = 0
+    unsharded_bytes: int = 0
+
+
+@dataclass
+class ShardPlan:
+    """The groups of a sharded model, root last; the seed's 'largest unsharded group'."""
+
+    groups: list[Group]
+
+    @property
+    def largest_group_bytes(self) -> int:
+        return max((g.unsharded_bytes for g in self.groups), default=0)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+
+def parallelize(
+    bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, ShardPlan]:
+    """Turn the meta-device model into a trainable, materialised, parallel model."""
+    model, plan = shard(bundle, run, mesh, device)
+    materialize(model, device)
+    init_weights(model)
+    if run.strategy == "ddp":
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        _count_ddp_allreduce_through_dispatcher(ddp)
+        return ddp, plan
+    return model, plan
+
+
+def shard(
+    bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, ShardPlan]:
+    """Activation checkpointing and fully_shard, still on the meta device (no memory yet)."""
+    if run.fsdp.activation_checkpointing == "block":
+        bundle = _checkpoint_blocks(bundle)
+    model = bundle.module
+    match run.strategy:
+        case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
+            plan = plan_groups(bundle, str(run.fsdp.grouping))
+            _measure_groups(plan, model, run.fsdp, run.shard_group_size)
+            _shard(plan, model, run.fsdp, mesh, device)
+        case "ddp":
+            plan = ShardPlan([_root_group(model)])
+            _measure_groups(plan, model, run.fsdp, 1)
+        case _:
+            raise ConfigError(f"strategy: {run.strategy!r} is not supported")
+    return model, plan
+
+
+def plan_groups(bundle: ModelBundle, grouping: str) -> ShardPlan:
+    """The fully_shard groups for a grouping, tied parameters kept inside one group."""
+    model = bundle.module
+    names = {id(m): n for n, m in model.named_modules()}
+    units: list[list[nn.Module]]
+    if grouping == "root":
+        units = []
+    elif grouping == "block":
+        units = [[b] for b in bundle.blocks]
+    elif (k := grouping_block_count(grouping)) is not None:
+        units = [bundle.blocks[i : i + k] for i in range(0, len(bundle.blocks), k)]
+    elif grouping == "linear":
+        units = [[m] for m in model.modules() if isinstance(m, nn.Linear)]
+    elif grouping.startswith("modules:"):
+        units = [[m] for m in _match_patterns(model, grouping[len("modules:") :].split(","))]
+    else:
+        raise ConfigError(f"fsdp.grouping: {grouping!r} is not supported")
+    units = _merge_tied(model, units)
+    groups = [Group(names=[names[id(m)] for m in unit], modules=unit) for unit in units]
+    return ShardPlan([*groups, _root_group(model)])
+
+
+def _root_group(model: nn.Module) -> Group:
+    return Group(names=[""], modules=[model])
+
+
+def _match_patterns(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
+    named = [(n, m) for n, m in model.named_modules() if n]
+    matched: list[nn.Module] = []
+    for pattern in patterns:
+        hits = [m for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            examples = ", ".join(n for n, _ in named[:8])
+            raise ConfigError(
+                f"fsdp.grouping: pattern {pattern!r} matches no module; module names look like: "
+                f"{examples}, ..."
+            )
+        matched += [m for m in hits if all(m is not seen for seen in matched)]
+    return matched
+
+
+def _merge_tied(model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """Put the modules sharing a parameter (tied embedding and LM head) into one group.
+
+    FSDP2 needs a shared parameter managed by exactly one group; otherwise the first forward
+    fails ("shared with a parameter already managed by another FSDP group").
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    units = [list(u) for u in units]
+    for modules in holders.values():
+        owners = {_owner(units, names, m) for m in modules}
+        if len(owners) < 2:
+            continue
+        inner = sorted(o for o in owners if o is not None)
+        merged = [m for o in inner for m in units[o]]
+        merged += [m for m in modules if _owner(units, names, m) is None]
+        keep = [u for i, u in enumerate(units) if i not in owners]
+        at = inner[0] if inner else len(keep)
+        units = [*keep[:at], merged, *keep[at:]]
+    return units
+
+
+def _owner(units: list[list[nn.Module]], names: dict[int, str], module: nn.Module) -> int | None:
+    """Index of the innermost group containing `module`, None when only the root does."""
+    name = names[id(module)]
+    best: tuple[int, int] | None = None
+    for index, unit in enumerate(units):
+        for top in unit:
+            prefix = names[id(top)]
+            inside = name == prefix or name.startswith(prefix + ".")
+            if inside and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def _measure_groups(plan: ShardPlan, model: nn.Module, cfg: FsdpConfig, shard_size: int) -> None:
+    """Each group's own parameters and the bytes its all-gather produces (dim-0 padded)."""
+    claimed: set[int] = set()
+    itemsize = 2 if cfg.mixed_precision == "bf16" else None
+    for group in plan.groups:  # non-root groups first: the root keeps what they leave
+        params = []
+        for module in group.modules:
+            for param in module.parameters():
+                if id(param) not in claimed:
+                    claimed.add(id(param))
+                    params.append(param)
+        group.num_params = sum(p.numel() for p in params)
+        group.unsharded_bytes = sum(
+            _padded_numel(p, shard_size) * (itemsize or p.element_size()) for p in params
+        )
+
+
+def _padded_numel(param: torch.Tensor, shard_size: int) -> int:
+    if param.dim() == 0:
+        return shard_size
+    rows = -(-param.shape[0] // shard_size) * shard_size
+    return rows * (param.numel() // max(param.shape[0], 1))
+
+
+def _shard(
+    plan: ShardPlan, model: nn.Module, cfg: FsdpConfig, mesh: DeviceMesh, device: torch.device
+) -> None:
+    reshard = None if cfg.reshard_after_forward == "default" else cfg.reshard_after_forward
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    )
+    depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
+    inner = plan.groups[:-1]
+    for group in sorted(inner, key=lambda g: -max(depth[id(m)] for m in g.modules)):
+        target = group.modules if len(group.modules) > 1 else group.modules[0]
+        fully_shard(
+            target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+    )
+    if cfg.prefetch != "implicit":
+        _wire_prefetch([g.modules[0] for g in inner], cfg.prefetch)
+
+
+def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
+    """Explicit prefetch: each group issues the all-gathers of the next `depth` groups."""
+    fsdp_modules: list[FSDPModule] = [m for m in ordered if isinstance(m, FSDPModule)]
+    for i, module in enumerate(fsdp_modules):
+        following = fsdp_modules[i + 1 : i + 1 + depth]
+        preceding = fsdp_modules[max(0, i - depth) : i][::-1]
+        if following:
+            module.set_modules_to_forward_prefetch(following)
+        if preceding:
+            module.set_modules_to_backward_prefetch(preceding)
+
+
+def _checkpoint_blocks(bundle: ModelBundle) -> ModelBundle:
+    """Wrap every block in a non-reentrant activation-checkpoint wrapper, in place."""
+    parents = {
+        id(child): (parent, name)
+        for parent in bundle.module.modules()
+        for name, child in parent.named_children()
+    }
+    wrapped = []
+    for block in bundle.blocks:
+        parent, name = parents[id(block)]
+        wrapper = checkpoint_wrapper(block)
+        setattr(parent, name, wrapper)
+        wrapped.append(wrapper)
+    return ModelBundle(bundle.module, wrapped, bundle.vocab_size, bundle.flops_per_token)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate the parameters on `device`, tied ones still tied.
+
+    FSDP2 keeps shared parameters shared through `to_empty`; a plain module does not."""
+    if isinstance(module, FSDPModule):
+        module.to_empty(device=device)
+        return
+    first_holder: dict[int, tuple[nn.Module, str]] = {}
+    ties: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) in first_holder:
+                ties.append((sub, name, *first_holder[id(param)]))
+            else:
+                first_holder[id(param)] = (sub, name)
+    module.to_empty(device=device)
+    for sub, name, owner, owner_name in ties:
+        setattr(sub, name, getattr(owner, owner_name))
+
+
+def _count_ddp_allreduce_through_dispatcher(ddp: DistributedDataParallel) -> None:
+    """DDP's built-in C++ all-reduce is invisible to dispatch modes; the Python default hook
+    does the same averaging all-reduce through `dist.all_reduce`, which collective counting sees."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp.register_comm_hook(state=None, hook=allreduce_hook)

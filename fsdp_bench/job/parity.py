@@ -1,0 +1,142 @@
+"""Does a parallel configuration train correctly? One step against a single-process reference.
+
+Seed 000, section 12: one FSDP2 step over R ranks, each with its slice of the batch, must equal
+one unsharded step on the whole batch. We compare full gradients (gathered with
+`full_tensor()`) and the parameters after one SGD step. SGD, not AdamW: AdamW's first update is
+about +-lr per element whatever the gradient's size, so a tiny gradient whose sign flips in the
+last bit moves a parameter by 2*lr (measured: 5e-5 after one step); SGD shows the real error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.models import build_model
+from fsdp_bench.job.parallelize import materialize, parallelize
+from fsdp_bench.job.training import (
+    autocast_dtype,
+    forward_backward,
+    global_micro_batch,
+    rank_batches,
+)
+
+# fp32: the seed's (rtol, atol), elementwise (measured differences were about 6e-9 for
+# gradients, 1.2e-7 after SGD). bf16 compute against the fp32 reference: the relative L2 error
+# over all parameters together. Not per parameter: a gradient that is mostly cancellation (the
+# first norm weights) is mostly bf16 rounding, 15-70% off in either direction, even against a
+# bf16 reference that sums in another order than two ranks do.
+FP32_TOLERANCE = (1e-5, 1e-7)
+BF16_REL_L2 = 5e-2
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    ok: bool
+    grad_max_abs_diff: float
+    param_max_abs_diff: float
+    detail: str
+
+
+def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: int) -> ParityReport:
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer="sgd"))
+    torch.manual_seed(run.data.seed)
+    model, _ = parallelize(build_model(run.model), run, mesh, device)
+    start = {_plain_name(n): _full(p).clone() for n, p in model.named_parameters()}
+
+    reference_bundle = build_model(run.model)
+    reference = reference_bundle.module
+    materialize(reference, device)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(start[name])
+    bf16 = run.fsdp.mixed_precision == "bf16"  # FSDP2's policy, or autocast under DDP
+
+    batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
+    forward_backward(model, batches, run.train.grad_sync, autocast=autocast_dtype(run))()
+    global_batches = [
+        tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
+        for k in range(run.train.accumulation_steps)
+    ]
+    forward_backward(reference, global_batches, "every")()  # type: ignore[arg-type]
+
+    grads = {
+        _plain_name(n): None if p.grad is None else _full(p.grad)
+        for n, p in model.named_parameters()
+    }
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    grad_ok, grad_diff, grad_detail = _compare(grads, ref_grads, run.fsdp.mixed_precision)
+
+    lr = run.train.learning_rate
+    _sgd_step(model, lr)
+    params = {_plain_name(n): _full(p) for n, p in model.named_parameters()}
+    if bf16:  # the fp32 shards must have moved by -lr x the reference gradient
+        params = {n: p - start[n] for n, p in params.items()}
+        ref_params = {n: -lr * g for n, g in ref_grads.items() if g is not None}
+    else:
+        _sgd_step(reference, lr)
+        ref_params = {n: p.detach() for n, p in reference.named_parameters()}
+    param_ok, param_diff, param_detail = _compare(params, ref_params, run.fsdp.mixed_precision)
+    return ParityReport(
+        ok=grad_ok and param_ok,
+        grad_max_abs_diff=grad_diff,
+        param_max_abs_diff=param_diff,
+        detail="; ".join(d for d in (grad_detail, param_detail) if d),
+    )
+
+
+def _sgd_step(model: nn.Module, lr: float) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer.step()
+
+
+def _compare(
+    got: Mapping[str, torch.Tensor | None],
+    want: Mapping[str, torch.Tensor | None],
+    precision: str,
+) -> tuple[bool, float, str]:
+    """(within tolerance, max abs difference, what failed first)."""
+    if got.keys() != want.keys():
+        return False, float("inf"), f"parameter names differ: {sorted(got.keys() ^ want.keys())}"
+    worst = 0.0
+    failures = []
+    diff_sq = want_sq = 0.0
+    for name, expected in want.items():
+        actual = got[name]
+        if actual is None or expected is None:
+            if actual is not expected:
+                failures.append(f"{name}: gradient missing on one side")
+            continue
+        actual, expected = actual.float(), expected.float()
+        diff = (actual - expected).abs()
+        worst = max(worst, diff.max().item())
+        diff_sq += diff.square().sum().item()
+        want_sq += expected.square().sum().item()
+        rtol, atol = FP32_TOLERANCE
+        if precision == "fp32" and not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+            failures.append(f"{name}: max abs diff {diff.max().item():.2e}")
+    if precision == "bf16":
+        relative = (diff_sq / max(want_sq, 1e-30)) ** 0.5
+        if relative > BF16_REL_L2:
+            failures.append(f"relative L2 error {relative:.2e} > {BF16_REL_L2}")
+    return not failures, worst, failures[0] if failures else ""
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a sharded DTensor is all-gathered)."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
+
+
+def _plain_name(name: str) -> str:
+    """Parameter names without wrapper prefixes (activation checkpointing, DDP)."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    return name[len("module.") :] if name.startswith("module.") else name

@@ -1,0 +1,150 @@
+"""Process-group setup inside a job: who am I, which device, and a collision-free rendezvous.
+
+The rendezvous port is chosen by the operating system on rank 0 (a TCPStore bound to port 0)
+and published through a file in the job folder, which every node of a job shares (submitit
+requires a shared folder). Two jobs on one node therefore cannot pick the same port, which a
+port derived from a job id or a fixed default can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp_bench.store import write_atomic
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    num_nodes: int
+    hostnames: tuple[str, ...]
+    job_id: str
+    attempt: int
+    """Requeue count: a requeued job rendezvous afresh."""
+
+    @property
+    def master_addr(self) -> str:
+        # One node: loopback, whatever the hostname resolves to.
+        return "127.0.0.1" if self.num_nodes == 1 else self.hostnames[0]
+
+
+def rank_info() -> RankInfo:
+    """This process's place in the job (from submitit's job environment)."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return RankInfo(
+        rank=env.global_rank,
+        local_rank=env.local_rank,
+        world_size=env.num_tasks,
+        num_nodes=env.num_nodes,
+        hostnames=tuple(env.hostnames),
+        job_id=str(env.job_id),
+        attempt=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    )
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    """cuda:<LOCAL_RANK> (never the global rank) when CUDA is asked for or available."""
+    use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group(
+    info: RankInfo, device: torch.device, rendezvous_dir: Path, timeout_s: float
+) -> None:
+    """NCCL on GPUs, gloo on CPUs; `timeout_s` bounds every collective (a hang becomes an error)."""
+    store = _rendezvous(info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s)
+    # The usual variables, for user model code that reads them (torch itself uses the store).
+    os.environ.update(
+        RANK=str(info.rank),
+        LOCAL_RANK=str(info.local_rank),
+        WORLD_SIZE=str(info.world_size),
+        LOCAL_WORLD_SIZE=str(info.world_size // info.num_nodes),
+        MASTER_ADDR=info.master_addr,
+        MASTER_PORT=str(store.port),
+    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TCPStore:
+    timeout = timedelta(seconds=timeout_s)
+    if info.rank == 0:
+        store = dist.TCPStore(
+            info.master_addr,
+            0,
+            info.world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        token = secrets.token_hex(8)
+        store.set("fsdp_bench_token", token)
+        address = {"host": info.master_addr, "port": store.port, "token": token}
+        write_atomic(address_file, json.dumps(address))
+        return store
+    deadline = time.monotonic() + timeout_s
+    while True:
+        connected = _try_connect(address_file, info, timeout)
+        if connected is not None:
+            return connected
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous: rank 0 did not publish {address_file} in {timeout_s}s")
+        time.sleep(0.05)
+
+
+def _try_connect(address_file: Path, info: RankInfo, timeout: timedelta) -> dist.TCPStore | None:
+    """Connect to the store named in the file, if the file is there and not stale."""
+    try:
+        address = json.loads(address_file.read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        store = dist.TCPStore(
+            address["host"],
+            address["port"],
+            info.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=10),
+        )
+        if store.get("fsdp_bench_token").decode() != address["token"]:
+            return None
+    except (RuntimeError, OSError):
+        return None  # a file left by an earlier attempt, pointing at a closed port
+    store.set_timeout(timeout)
+    return store
+
+
+def barrier_and_destroy() -> None:
+    """A barrier first: tearing down while a peer still works can abort it (seen on gloo)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,131 @@
+"""The training step that is timed, and the synthetic data it eats.
+
+The step is what a user's training loop does per optimizer step and nothing else: K
+micro-batches of forward + backward (gradient sync only where the run asks for it), then the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_bench.config.run import RunConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def global_micro_batch(run: RunConfig, index: int, vocab_size: int) -> Batch:
+    """Micro-batch `index` of the whole world (world_size x micro_batch_size rows), on CPU.
+
+    Every rank can build the same global batch from the seed, so a single-process reference
+    can be fed exactly what the ranks saw together (parity checks).
+    """
+    generator = torch.Generator().manual_seed(run.data.seed * 1_000_003 + index)
+    rows = run.world_size * run.data.micro_batch_size
+    tokens = torch.randint(0, vocab_size, (rows, run.data.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_batches(run: RunConfig, rank: int, vocab_size: int, device: torch.device) -> list[Batch]:
+    """This rank's contiguous slice of each of the step's micro-batches, on its device."""
+    b = run.data.micro_batch_size
+    batches = []
+    for index in range(run.train.accumulation_steps):
+        inputs, targets = global_micro_batch(run, index, vocab_size)
+        rows = slice(rank * b, (rank + 1) * b)
+        batches.append((inputs[rows].to(device), targets[rows].to(device)))
+    return batches
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_optimizer(model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    """Created after sharding, so it holds (and updates) the local shards only."""
+    params = model.parameters()
+    lr = run.train.learning_rate
+    match run.train.optimizer:
+        case "adamw":
+            # foreach is the default on GPU; on CPU it is also the faster implementation.
+            return torch.optim.AdamW(params, lr=lr, foreach=True)
+        case "sgd":
+            return torch.optim.SGD(params, lr=lr, foreach=True)
+        case other:
+            raise ValueError(f"optimizer {other!r}")
+
+
+def forward_backward(
+    model: nn.Module,
+    batches: list[Batch],
+    grad_sync: str,
+    before_micro_batch: Callable[[], None] | None = None,
+    autocast: torch.dtype | None = None,
+) -> Callable[[], None]:
+    """The step's micro-batches: forward and backward, loss scaled by 1/K.
+
+    `autocast` is mixed precision for models that FSDP2's MixedPrecisionPolicy does not
+    handle (the DDP baseline)."""
+    count = len(batches)
+    sync_last_only = grad_sync == "last" and count > 1
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # No name for the logits: held through backward they would add their full size.
+        return loss_fn(model(inputs), targets)
+
+    if autocast is not None:  # decided once here, not in every micro-batch of the timed loop
+        plain_loss, device_type = loss_of, batches[0][0].device.type
+
+        def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device_type, dtype=autocast):
+                return plain_loss(inputs, targets)
+
+    def run_micro_batches() -> None:
+        for index, (inputs, targets) in enumerate(batches):
+            if before_micro_batch is not None:
+                before_micro_batch()
+            if sync_last_only:
+                _set_gradient_sync(model, index == count - 1)
+            (loss_of(inputs, targets) / count).backward()
+
+    return run_micro_batches
+
+
+def autocast_dtype(run: RunConfig) -> torch.dtype | None:
+    """bf16 autocast for the DDP baseline in bf16 (FSDP2 casts through its own policy)."""
+    if run.strategy == "ddp" and run.fsdp.mixed_precision == "bf16":
+        return torch.bfloat16
+    return None
+
+
+def make_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Batch],
+    run: RunConfig,
+    before_micro_batch: Callable[[], None] | None = None,
+) -> Callable[[], None]:
+    """One optimizer step as a closure: the exact code the timed loop runs."""
+    micro_batches = forward_backward(
+        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run)
+    )
+
+    def train_step() -> None:
+        micro_batches()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled

@@ -1,0 +1,446 @@
+"""The code every rank of a job runs: set up once, then execute the job's runs one by one.
+
+A job holds runs of the same shape (world size and nodes), so process start, `import torch`
+and the process group are paid once per job, not once per run. Between runs everything a run
+built is released and peak statistics are reset, so a run measures the same alone or after
+others.
+
+When a rank fails, it writes a note saying why (OOM, error, collective timeout) and ends its
+process: the rest of the job cannot trust a process group with a collective left half done,
+and a fresh process is the only clean slate after an OOM. The driver turns the notes into the
+run's record and starts the remaining runs in a new job.
+
+Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on a node is light.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_bench import __version__
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.job.measure import peak_flops, profile_step, summarize_times
+from fsdp_bench.job.models import build_model
+from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.parity import check_parity
+from fsdp_bench.job.rendezvous import (
+    RankInfo,
+    barrier_and_destroy,
+    hostname,
+    init_process_group,
+    pick_device,
+    rank_info,
+)
+from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.store import ResultStore, RunResult, write_atomic
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job needs; pickled by submitit and shipped to every rank."""
+
+    runs: tuple[RunConfig, ...]
+    results_dir: str
+    device: str = "auto"
+    cpu_threads_per_rank: int | None = None
+    collective_timeout_s: float = 300.0
+    verify: bool = False
+    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    """run_id -> (simulated, analytic) estimated peak GiB, copied into each record."""
+
+
+@dataclass
+class RankOutcome:
+    """One rank's measurements of one run, gathered on rank 0 to make the record."""
+
+    hostname: str
+    step_times_s: list[float]
+    tracked_peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    counts: dict[str, int]
+    """CollectiveCounts as a dict."""
+    largest_group_bytes: int
+    num_groups: int
+    num_params: int
+    flops_per_token: float | None
+    setup_s: float
+    warmup_s: float
+    cuda_peak_allocated: int | None = None
+    cuda_peak_reserved: int | None = None
+    parity: dict[str, Any] | None = None
+
+
+@dataclass
+class JobContext:
+    info: RankInfo
+    device: torch.device
+    store: ResultStore
+    verify: bool
+    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
+
+    def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
+        """(world,) for FSDP; (replicas, shard group) for HSDP. Made once per job and shape."""
+        if shape not in self.meshes:
+            names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+            self.meshes[shape] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self.meshes[shape]
+
+
+class Terminated(BaseException):
+    """The scheduler is ending the job (scancel, requeue, time limit): stop at once."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(f"the job was stopped by the scheduler ({signal.Signals(signum).name})")
+
+
+def _note_warning(signum: int, frame: object) -> None:
+    print("fsdp-bench: the scheduler warns that this job ends soon (USR2)", flush=True)
+
+
+def run_job(job: JobSpec) -> list[str]:
+    """Entry point of every rank (a picklable top-level callable). Returns run ids recorded."""
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+    # submitit ignores SIGTERM in jobs; here it means the allocation is going away, and the
+    # run must not go on for the scheduler's kill delay, measuring nothing useful.
+    signal.signal(signal.SIGTERM, _terminate)
+    # submitit turns its early warning (USR2, 90 s before the time limit or at preemption)
+    # into an exception unless the job checkpoints; jobs here are requeued whole by Slurm and
+    # the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so keep working.
+    signal.signal(signal.SIGUSR2, _note_warning)
+    info = rank_info()
+    device = pick_device(job.device, info.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
+    store = ResultStore(job.results_dir)
+    init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
+    # What exists now lives for the whole job; later collections only scan what runs create,
+    # which makes the collection between runs ~10x cheaper.
+    gc.freeze()
+    context = JobContext(
+        info=info, device=device, store=store, verify=job.verify, estimates=job.estimates
+    )
+    recorded = []
+    for run in job.runs:
+        if _already_recorded(run, context):
+            continue
+        inflight = store.inflight(run.run_id)
+        if info.rank == 0:
+            _mark_started(inflight, info)
+            print(f"fsdp-bench: run {run.run_id} started", flush=True)
+        started_at = _now()
+        start = time.perf_counter()
+        try:
+            outcome = execute_run(run, context)
+        except BaseException as err:
+            _fail(inflight, info, err)
+        result = _gather_result(run, context, outcome, started_at, time.perf_counter() - start)
+        if result is not None:
+            store.record(result)
+            _remove(inflight)
+            recorded.append(run.run_id)
+        _release(device)
+    barrier_and_destroy()
+    return recorded
+
+
+def _cpus_for_rank(info: RankInfo) -> int:
+    """What Slurm gave this task, else this machine's cores shared by the ranks on it."""
+    allotted = os.environ.get("SLURM_CPUS_PER_TASK")
+    if allotted:
+        return int(allotted)
+    return max(1, (os.cpu_count() or 1) // (info.world_size // info.num_nodes))
+
+
+def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
+    """Build, shard, warm up, profile one step (collectives, memory), time. Every rank."""
+    device, rank = context.device, context.info.rank
+    mesh = context.mesh(run.mesh_shape)
+    parity = None
+    if context.verify:
+        parity = asdict(check_parity(run, mesh, device, rank))
+        _release(device)
+
+    start = time.perf_counter()
+    torch.manual_seed(run.data.seed)
+    bundle = build_model(run.model)
+    model, plan = parallelize(bundle, run, mesh, device)
+    optimizer = build_optimizer(model, run)
+    batches = rank_batches(run, rank, bundle.vocab_size, device)
+    step = make_train_step(model, optimizer, batches, run)
+    setup_s = time.perf_counter() - start
+
+    _inject_fault(run, rank, device)
+    # The profiled step is untimed: the last warm-up step when there are enough before it,
+    # otherwise after the timed steps. Steps before it: one for the optimizer state to exist;
+    # two under DDP, which reallocates its gradient buckets in the second.
+    settled = 2 if run.strategy == "ddp" else 1
+    profile_first = run.measure.warmup_steps > settled
+    warmup_start = time.perf_counter()
+    for _ in range(run.measure.warmup_steps - profile_first):
+        step()
+    _synchronize(device)
+    warmup_s = time.perf_counter() - warmup_start
+    profile = profile_step(model, optimizer, batches, run) if profile_first else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
+
+    cuda_peaks = _cuda_peaks(device)
+    if profile is None:
+        steps_taken = run.measure.warmup_steps + run.measure.repeats * run.measure.timed_steps
+        for _ in range(settled - steps_taken):
+            step()
+        profile = profile_step(model, optimizer, batches, run)
+
+    outcome = RankOutcome(
+        hostname=hostname(),
+        step_times_s=step_times,
+        tracked_peak_bytes=profile.memory.peak_bytes,
+        breakdown_bytes=profile.memory.breakdown_bytes,
+        counts=asdict(profile.counts),
+        largest_group_bytes=plan.largest_group_bytes,
+        num_groups=plan.num_groups,
+        num_params=sum(g.num_params for g in plan.groups),
+        flops_per_token=bundle.flops_per_token(run.data.seq_len)
+        if bundle.flops_per_token
+        else None,
+        setup_s=setup_s,
+        warmup_s=warmup_s,
+        cuda_peak_allocated=cuda_peaks[0],
+        cuda_peak_reserved=cuda_peaks[1],
+        parity=parity,
+    )
+    return outcome
+
+
+def _cuda_peaks(device: torch.device) -> tuple[int | None, int | None]:
+    """(max allocated, max reserved) bytes since the last reset; None off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def time_steps(step: Any, repeats: int, steps: int, device: torch.device) -> list[float]:
+    """Seconds per optimizer step for each repeat; ranks start each repeat together."""
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _synchronize(device)
+        times.append((time.perf_counter() - begin) / steps)
+    return times
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gather_result(
+    run: RunConfig, context: JobContext, outcome: RankOutcome, started_at: str, wall_s: float
+) -> RunResult | None:
+    """All ranks send their outcome to rank 0, which builds the record (others get None)."""
+    info = context.info
+    outcomes: list[RankOutcome | None] = [None] * info.world_size
+    dist.all_gather_object(outcomes, outcome)
+    if info.rank != 0:
+        return None
+    ranks = [o for o in outcomes if o is not None]
+    per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(run.measure.repeats)]
+    times = summarize_times(per_repeat)
+    tokens_per_s = run.tokens_per_step / times.median_s
+    first = ranks[0]
+    counts = first.counts
+    flops_per_token = first.flops_per_token
+    tracked = max(o.tracked_peak_bytes for o in ranks)
+    worst = max(ranks, key=lambda o: o.tracked_peak_bytes)
+    on_cuda = context.device.type == "cuda"
+    peak = max(o.cuda_peak_allocated or 0 for o in ranks) if on_cuda else tracked
+    device_name = _device_name(context.device)
+    peak_flop_s = peak_flops(device_name, run.fsdp.mixed_precision) if on_cuda else None
+    mfu = None
+    if peak_flop_s and flops_per_token:
+        mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
+    parity = first.parity
+    estimated, analytic = context.estimates.get(run.run_id, (None, None))
+    return RunResult(
+        run_id=run.run_id,
+        status="ok",
+        config=to_plain(run),
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_rank=tokens_per_s / run.world_size,
+        step_time_s=times.median_s,
+        step_time_min_s=times.min_s,
+        step_time_max_s=times.max_s,
+        step_time_spread_pct=times.spread_pct,
+        step_times_s=per_repeat,
+        mfu=mfu,
+        flops_per_token=flops_per_token,
+        peak_memory_gib=peak / GIB,
+        peak_reserved_gib=max(o.cuda_peak_reserved or 0 for o in ranks) / GIB if on_cuda else None,
+        tracked_peak_gib=tracked / GIB,
+        memory_breakdown_gib={k: v / GIB for k, v in worst.breakdown_bytes.items()},
+        peak_memory_source="cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
+        estimated_peak_gib=estimated,
+        analytic_peak_gib=analytic,
+        all_gathers_per_step=counts["all_gathers"],
+        all_gather_bytes_per_step=counts["all_gather_bytes"],
+        reduce_scatters_per_step=counts["reduce_scatters"],
+        reduce_scatter_bytes_per_step=counts["reduce_scatter_bytes"],
+        all_reduces_per_step=counts["all_reduces"],
+        all_reduce_bytes_per_step=counts["all_reduce_bytes"],
+        all_gathers_before_compute=counts["all_gathers_before_compute"],
+        largest_group_bytes=first.largest_group_bytes,
+        num_groups=first.num_groups,
+        num_params=first.num_params,
+        parity_ok=parity["ok"] if parity else None,
+        parity_grad_max_abs_diff=parity["grad_max_abs_diff"] if parity else None,
+        parity_param_max_abs_diff=parity["param_max_abs_diff"] if parity else None,
+        reason=parity["detail"] if parity and not parity["ok"] else "",
+        setup_s=max(o.setup_s for o in ranks),
+        warmup_s=max(o.warmup_s for o in ranks),
+        timed_s=sum(per_repeat) * run.measure.timed_steps,
+        wall_s=wall_s,
+        provenance=provenance(context, ranks, started_at),
+    )
+
+
+def provenance(context: JobContext, ranks: list[RankOutcome], started_at: str) -> dict[str, Any]:
+    return {
+        "hostnames": sorted({o.hostname for o in ranks}),
+        "device": context.device.type,
+        "device_name": _device_name(context.device),
+        "backend": dist.get_backend(),
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "fsdp_bench_version": __version__,
+        "python_version": platform.python_version(),
+        "job_id": context.info.job_id,
+        "attempt": context.info.attempt,
+        "started_at": started_at,
+        "finished_at": _now(),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _already_recorded(run: RunConfig, context: JobContext) -> bool:
+    """Rank 0 decides (a requeued job skips what it finished) and tells the others."""
+    decision = [context.store.has(run.run_id) if context.info.rank == 0 else None]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
+    if run.fault.kind == "none" or rank != run.fault.rank:
+        return
+    match run.fault.kind:
+        case "oom":  # a real allocation failure: 256 TiB
+            torch.empty(1 << 48, dtype=torch.uint8, device=device)
+        case "error":
+            raise RuntimeError(f"injected fault on rank {rank}")
+        case "hang":
+            while True:
+                time.sleep(3600)
+        case "exit":
+            os._exit(17)
+        case other:
+            raise ValueError(f"fault.kind {other!r}")
+
+
+def classify(err: BaseException) -> str:
+    """oom, timeout, error; or peer / interrupted, which only echo another rank's failure."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, Terminated)):
+        return "interrupted"  # the driver or the scheduler stopped the job
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
+        return "oom"
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return "timeout"
+    peer_signs = (
+        "connection closed by peer",
+        "connection reset by peer",
+        "broken pipe",
+        "econnreset",
+    )
+    if any(sign in lowered for sign in peer_signs):
+        return "peer"
+    return "error"
+
+
+def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
+    """Leave a note for the driver and end this process (see the module docstring)."""
+    note = {
+        "rank": info.rank,
+        "attempt": info.attempt,
+        "hostname": hostname(),
+        "class": classify(err),
+        "type": type(err).__name__,
+        "message": _tail(traceback.format_exception_only(type(err), err)),
+        "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
+        "at": _now(),
+    }
+    try:
+        write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
+    finally:
+        traceback.print_exception(type(err), err, err.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _mark_started(inflight: Path, info: RankInfo) -> None:
+    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": _now()}
+    write_atomic(inflight / "started.json", json.dumps(marker))
+
+
+def _remove(inflight: Path) -> None:
+    shutil.rmtree(inflight, ignore_errors=True)
+
+
+def _release(device: torch.device) -> None:
+    """Free what the last run built, so the next one starts from the same state."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _tail(lines: list[str], keep: int = 5) -> str:
+    return "".join(lines[-keep:]).strip()[-2000:]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,366 @@
+"""Follow jobs to the end: keep the launcher's slots full, collect records as they land, and
+turn whatever a job left behind (rank notes, the scheduler's final state) into records.
+
+Failure policy, by class:
+- oom, error, timeout (collective hang, run or Slurm time limit), cancelled: recorded, never
+  retried; the job's other runs go on in a new job.
+- preempted, node_fail: the run goes back to the queue, up to launcher.requeue_limit times.
+- a job that ends before its first run (broken environment): retried, then recorded `error`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fsdp_bench.config.grid import SweepSpec
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.job.worker import JobSpec
+from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
+from fsdp_bench.store import ResultStore, RunResult, write_atomic
+
+# A job that ends without starting its next run is retried this many times before the run is
+# recorded as an error (a broken environment must not loop forever).
+MAX_ATTEMPTS = 3
+# After the first rank reports a failure, the others get this long to end by themselves before
+# the job is cancelled (a rank that hangs never will).
+FAILURE_GRACE_S = 5.0
+# sacct may not know a job for a few seconds after squeue forgot it.
+UNKNOWN_GRACE_S = 60.0
+
+# Scheduler end states that explain a run's end better than its ranks' last words.
+SCHEDULER_VERDICTS: dict[str, tuple[str, str]] = {
+    "TIMEOUT": ("timeout", "Slurm TIMEOUT: the job reached its time limit (launcher.timeout_min)"),
+    "CANCELLED": ("cancelled", "the job was cancelled (scancel) while this run was executing"),
+    "OUT_OF_MEMORY": ("oom", "the node ran out of host memory (Slurm OUT_OF_MEMORY)"),
+    "NODE_FAIL": ("node_fail", "a node of the job failed (Slurm NODE_FAIL)"),
+    "PREEMPTED": ("preempted", "the job was preempted (Slurm PREEMPTED)"),
+    "BOOT_FAIL": ("error", "a node failed to boot (Slurm BOOT_FAIL)"),
+    "DEADLINE": ("timeout", "the job reached its deadline (Slurm DEADLINE)"),
+}
+REQUEUED_STATUSES = ("preempted", "node_fail")
+
+
+@dataclass
+class Watched:
+    job: SubmittedJob
+    runs: list[RunConfig]
+    cancel_reason: str = ""
+    unknown_since: float | None = None
+
+
+@dataclass
+class Progress:
+    """What the driver has seen, for the caller's summary."""
+
+    recorded: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+
+
+class Driver:
+    """Submits packs of runs, polls the jobs, turns what they leave on disk into records."""
+
+    def __init__(
+        self,
+        store: ResultStore,
+        ledger: Ledger,
+        spec: SweepSpec,
+        verify: bool,
+        on_record: Callable[[RunResult], None] | None = None,
+        estimates: dict[str, tuple[float | None, float | None]] | None = None,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.spec = spec
+        self.verify = verify
+        self.estimates = estimates or {}
+        self.on_record = on_record
+        self.progress = Progress()
+        self.attempts: Counter[str] = Counter()
+        self.interruptions: Counter[str] = Counter()
+        self.seen: set[str] = set()
+
+    def run(
+        self,
+        launcher: Launcher,
+        watched: list[Watched],
+        packs: list[list[RunConfig]],
+        supply: Callable[[int], list[list[RunConfig]] | None] | None = None,
+    ) -> None:
+        """Until every pack has run: fill free slots, poll, reconcile jobs that ended.
+
+        `supply(free_slots)` hands out more packs as slots free up (a search asks its sampler
+        then), [] for none yet, None once it never will again."""
+        poll_s = self.spec.launcher.poll_s
+        exhausted = supply is None
+        while watched or packs or not exhausted:
+            free = launcher.max_jobs_in_flight - len(watched) - len(packs)
+            if not exhausted and free > 0:
+                more = supply(free)  # type: ignore[misc]
+                exhausted = more is None
+                packs += more or []
+                if not (watched or packs):
+                    continue
+            self.fill(launcher, watched, packs)
+            time.sleep(poll_s)
+            states = launcher.poll([w.job for w in watched])
+            for item in list(watched):
+                self._collect(item.runs)
+                state = states.get(item.job.job_id, "UNKNOWN")
+                if state in ALIVE_STATES:
+                    if state == "RUNNING":
+                        self._watchdog(item)
+                    continue
+                finished = all(self.store.has(r.run_id) for r in item.runs)
+                if state == "UNKNOWN" and not finished and not self._waited_enough(item):
+                    continue
+                watched.remove(item)
+                packs[:0] = self._reconcile(item, state)
+                self.ledger.close(item.job.job_id)
+
+    def fill(
+        self, launcher: Launcher, watched: list[Watched], packs: list[list[RunConfig]]
+    ) -> None:
+        """Submit as many packs as there are free slots; same-shape packs as one array."""
+        while packs and len(watched) < launcher.max_jobs_in_flight:
+            free = launcher.max_jobs_in_flight - len(watched)
+            batch = [packs.pop(0)]
+            shape = _shape(batch[0])
+            while packs and len(batch) < min(free, launcher.max_array_size):
+                if _shape(packs[0]) != shape:
+                    break
+                batch.append(packs.pop(0))
+            for runs in batch:  # notes of an interrupted earlier attempt must not count
+                for run in runs:
+                    shutil.rmtree(self.store.inflight(run.run_id), ignore_errors=True)
+            jobs = launcher.submit([self._job_spec(runs) for runs in batch])
+            pairs = list(zip(jobs, batch, strict=True))
+            self.ledger.add(
+                launcher.kind, [(job.job_id, [r.run_id for r in runs]) for job, runs in pairs]
+            )
+            watched += [Watched(job=job, runs=runs) for job, runs in pairs]
+
+    def _job_spec(self, runs: list[RunConfig]) -> JobSpec:
+        launcher = self.spec.launcher
+        return JobSpec(
+            runs=tuple(runs),
+            results_dir=str(self.store.root.resolve()),
+            device=launcher.device,
+            cpu_threads_per_rank=launcher.cpu_threads_per_rank,
+            collective_timeout_s=launcher.collective_timeout_s,
+            verify=self.verify,
+            estimates={
+                r.run_id: self.estimates[r.run_id] for r in runs if r.run_id in self.estimates
+            },
+        )
+
+    def _waited_enough(self, item: Watched) -> bool:
+        now = time.monotonic()
+        if item.unknown_since is None:
+            item.unknown_since = now
+        return now - item.unknown_since > UNKNOWN_GRACE_S
+
+    def _collect(self, runs: list[RunConfig]) -> None:
+        """Report records that workers have written since the last look."""
+        for run in runs:
+            if run.run_id not in self.seen and self.store.has(run.run_id):
+                self.announce(self.store.get(run.run_id))
+
+    def announce(self, result: RunResult | None) -> None:
+        if result is None or result.run_id in self.seen:
+            return
+        self.seen.add(result.run_id)
+        self.progress.recorded += 1
+        self.progress.statuses[result.status] += 1
+        if self.on_record is not None:
+            self.on_record(result)
+
+    def _watchdog(self, item: Watched) -> None:
+        """Cancel a job whose run overran its time, or whose ranks failed but did not all end."""
+        if item.cancel_reason:
+            return
+        now = time.time()
+        for run in item.runs:
+            inflight = self.store.inflight(run.run_id)
+            started = inflight / "started.json"
+            if not started.exists() or self.store.has(run.run_id):
+                continue
+            limit = self.spec.launcher.run_timeout_s
+            if now - started.stat().st_mtime > limit:
+                item.cancel_reason = f"run exceeded launcher.run_timeout_s ({limit:g} s)"
+            failed = [n for n in _read_notes(inflight) if n["class"] in ("oom", "error", "timeout")]
+            notes = [inflight / f"rank{n['rank']}.json" for n in failed]
+            if notes and now - max(n.stat().st_mtime for n in notes) > FAILURE_GRACE_S:
+                item.cancel_reason = "ranks that did not fail were stuck after a rank failed"
+            if item.cancel_reason:
+                item.job.cancel()
+                return
+
+    def _reconcile(self, item: Watched, state: str) -> list[list[RunConfig]]:
+        """After a job ended: record its failed run, and return what must run again."""
+        self._collect(item.runs)
+        progressed = any(self.store.has(r.run_id) for r in item.runs)
+        remaining = []
+        for run in item.runs:
+            if self.store.has(run.run_id):
+                continue
+            inflight = self.store.inflight(run.run_id)
+            if not inflight.exists():
+                remaining.append(run)
+                continue
+            progressed = True
+            status, reason = classify_failure(_read_notes(inflight), item.cancel_reason, state)
+            limit = self.spec.launcher.requeue_limit
+            if status in REQUEUED_STATUSES and self.interruptions[run.run_id] < limit:
+                self.interruptions[run.run_id] += 1
+                remaining.append(run)
+            else:
+                self._record_failure(run, status, reason, item.job, state)
+            shutil.rmtree(inflight, ignore_errors=True)
+        if not progressed:  # the job died before its first run: count it against the runs
+            for run in remaining:
+                self.attempts[run.run_id] += 1
+            if remaining and self.attempts[remaining[0].run_id] >= MAX_ATTEMPTS:
+                reason = (
+                    f"{MAX_ATTEMPTS} jobs in a row ended before this run started "
+                    f"(last job {item.job.job_id}, {state}); log tail:\n{item.job.log_tail(0)}"
+                )
+                for run in remaining:
+                    self._record_failure(run, "error", reason, item.job, state)
+                remaining = []
+        return pack_runs(remaining, self.spec.launcher)
+
+    def _record_failure(
+        self, run: RunConfig, status: str, reason: str, job: SubmittedJob, state: str
+    ) -> None:
+        if "without a report" in reason:
+            reason += "\n" + "\n".join(
+                f"rank {r} log tail:\n{job.log_tail(r, 8)}" for r in range(run.world_size)
+            )
+        self.record_unlaunched(run, status, reason, {"job_id": job.job_id, "job_state": state})
+
+    def record_unlaunched(
+        self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]
+    ) -> None:
+        """A record the driver writes itself: a failure, or a run it did not launch."""
+        simulated, analytic = self.estimates.get(run.run_id, (None, None))
+        result = RunResult(
+            run_id=run.run_id,
+            status=status,  # type: ignore[arg-type]
+            config=to_plain(run),
+            reason=reason,
+            estimated_peak_gib=simulated,
+            analytic_peak_gib=analytic,
+            provenance={**provenance, "finished_at": now_iso()},
+        )
+        self.store.record(result)
+        self.announce(result)
+
+
+def pack_runs(runs: list[RunConfig], launcher: Any) -> list[list[RunConfig]]:
+    """Runs of one shape (world size, nodes) share jobs, in first-appearance order.
+
+    With launcher.max_runs_per_job unset, each shape's runs are spread evenly over the jobs
+    that may be in flight: locally (one job at a time) all of them share one job.
+    """
+    by_shape: dict[tuple[int, int], list[RunConfig]] = {}
+    for run in runs:
+        by_shape.setdefault(_shape([run]), []).append(run)
+    packs = []
+    for same in by_shape.values():
+        size = launcher.max_runs_per_job or -(-len(same) // launcher.jobs_in_flight)
+        packs += [same[i : i + size] for i in range(0, len(same), size)]
+    return packs
+
+
+def _shape(runs: list[RunConfig]) -> tuple[int, int]:
+    return runs[0].world_size, runs[0].nodes
+
+
+def classify_failure(
+    notes: list[dict[str, Any]], cancel_reason: str, state: str
+) -> tuple[str, str]:
+    """The run's status and reason; the root cause wins over its echoes.
+
+    A rank's OOM or error makes its peers fail too (timeouts, closed connections): those are
+    not the cause, so oom > error > timeout among the notes. When the driver stopped the job,
+    the notes explain why; otherwise a scheduler verdict (time limit, scancel, host OOM, node
+    failure, preemption) explains the notes.
+    """
+    by_rank = sorted(notes, key=lambda n: n["rank"])
+
+    def root_cause() -> tuple[str, str] | None:
+        for wanted in ("oom", "error", "timeout"):
+            for note in by_rank:
+                if note["class"] == wanted:
+                    return wanted, f"rank {note['rank']} ({note['hostname']}): {note['message']}"
+        return None
+
+    if cancel_reason:
+        return root_cause() or ("timeout", cancel_reason)
+    if state in SCHEDULER_VERDICTS:
+        return SCHEDULER_VERDICTS[state]
+    cause = root_cause()
+    if cause:
+        return cause
+    seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in by_rank) or "no rank reported"
+    return "error", f"a rank ended without a report ({seen}; job state {state})"
+
+
+def _read_notes(inflight: Path) -> list[dict[str, Any]]:
+    """The ranks' failure notes of the run's latest attempt (a requeued job starts over)."""
+    try:
+        attempt = json.loads((inflight / "started.json").read_text())["attempt"]
+    except (OSError, ValueError, KeyError):
+        attempt = None
+    notes = []
+    for path in inflight.glob("rank*.json"):
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if attempt is None or note.get("attempt") == attempt:
+            notes.append(note)
+    return notes
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Ledger:
+    """Which runs went into which job, on disk, so a restarted driver can find its jobs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
+
+    def add(self, kind: str, jobs: list[tuple[str, list[str]]]) -> None:
+        """Jobs just submitted: (job id, run ids) each."""
+        submitted_at = now_iso()
+        self.entries += [
+            {"job_id": job_id, "launcher": kind, "run_ids": run_ids,
+             "submitted_at": submitted_at, "open": True}
+            for job_id, run_ids in jobs
+        ]  # fmt: skip
+        self._save()
+
+    def close(self, job_id: str) -> None:
+        for entry in self.entries:
+            if entry["job_id"] == job_id:
+                entry["open"] = False
+        self._save()
+
+    def open_jobs(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["open"] and e["launcher"] == kind]
+
+    def _save(self) -> None:
+        write_atomic(self.path, json.dumps(self.entries, indent=1))

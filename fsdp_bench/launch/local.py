@@ -1,0 +1,110 @@
+"""The local launcher: each job runs on this machine, one process per rank, through submitit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from fsdp_bench.config.launcher import LauncherConfig
+from fsdp_bench.errors import ConfigError
+from fsdp_bench.job.worker import JobSpec, run_job
+from fsdp_bench.launch.base import tail
+
+
+@dataclass
+class LocalJob:
+    """A job on this machine: submitit's local controller process and its tasks (one per rank)."""
+
+    job_id: str
+    folder: Path
+    handle: Any = None
+    """submitit's LocalJob when this driver submitted it; None after a driver restart."""
+
+    def alive(self) -> bool:
+        if self.handle is not None:
+            return not self.handle.done()
+        return _controller_running(int(self.job_id), self.folder)
+
+    def cancel(self) -> None:
+        """SIGINT to the controller: it interrupts, then kills, every task."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(self.job_id), signal.SIGINT)
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        return tail(self.folder / f"{self.job_id}_{rank}_log.err", lines)
+
+
+class LocalLauncher:
+    """Runs each job on this machine with one process per rank (CPU + gloo, or GPUs + NCCL).
+
+    One job at a time by default: jobs timed side by side on one machine measure each other.
+    """
+
+    kind = "local"
+    max_array_size = 1
+
+    def __init__(self, config: LauncherConfig, jobs_dir: Path) -> None:
+        self.config = config
+        self.folder = (jobs_dir / "submitit").absolute()
+        self.max_jobs_in_flight = config.jobs_in_flight
+
+    def check(self, world_size: int, nodes: int) -> None:
+        if nodes != 1:
+            raise ConfigError(
+                f"processes_per_node: a run of {world_size} processes over {nodes} nodes needs "
+                "a cluster; the local launcher runs on one node (set launcher.kind: slurm)"
+            )
+        if self._uses_cuda():
+            import torch
+
+            available = torch.cuda.device_count()
+            if world_size > available:
+                raise ConfigError(
+                    f"world_size: {world_size} is not allowed; this machine has {available} GPUs "
+                    "(one rank per GPU)"
+                )
+
+    def submit(self, specs: list[JobSpec]) -> list[LocalJob]:
+        return [self._submit_one(spec) for spec in specs]
+
+    def _submit_one(self, spec: JobSpec) -> LocalJob:
+        world_size = spec.runs[0].world_size
+        executor = submitit.LocalExecutor(folder=self.folder)
+        executor.update_parameters(
+            tasks_per_node=world_size,
+            nodes=1,
+            timeout_min=self.config.timeout_min,
+            gpus_per_node=world_size if self._uses_cuda() else 0,
+        )
+        handle = executor.submit(run_job, spec)
+        return LocalJob(job_id=str(handle.job_id), folder=self.folder, handle=handle)
+
+    def reattach(self, job_id: str) -> LocalJob:
+        return LocalJob(job_id=job_id, folder=self.folder)
+
+    def poll(self, jobs: list[LocalJob]) -> dict[str, str]:
+        return {job.job_id: "RUNNING" if job.alive() else "ENDED" for job in jobs}
+
+    def _uses_cuda(self) -> bool:
+        if self.config.device == "cuda":
+            return True
+        if self.config.device == "cpu":
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+
+def _controller_running(pid: int, folder: Path) -> bool:
+    """Is `pid` a live submitit controller of our folder (not a recycled pid, not a zombie)?"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"submitit.local._local" in cmdline and str(folder).encode() in cmdline

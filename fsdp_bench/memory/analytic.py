@@ -1,0 +1,141 @@
+"""The analytic memory model (seed 000, sections 01 and 16), term by term, without torch.
+
+Per rank: steady state P(b_w + b_g + b_o) / R, plus what a step adds on top: the unsharded
+parameters of the groups being computed (the largest group, and more when resharding is off),
+the prefetched next group(s), unsharded gradients before their reduce-scatter, activations and
+temporaries (the logits and their gradient). Each term is its largest value during the step;
+they do not all peak at the same moment, so the sum leans high. It explains a peak; the
+simulated estimate (`simulate.py`) measures one, and is the figure used for pruning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_bench.config.presets import ModelShape
+from fsdp_bench.config.run import RunConfig, grouping_block_count
+
+GB = 10**9
+GIB = 1024**3
+OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq; plain SGD keeps nothing
+
+
+def steady_state_bytes(weights: float, grads: float, optimizer: float, ranks: int) -> float:
+    """Sharded weights, gradients and optimizer state per rank: total / R."""
+    return (weights + grads + optimizer) / ranks
+
+
+def peak_lower_bound(steady: float, largest_group: float, prefetch: float) -> float:
+    """Peak before activations and temporaries: steady state + the largest unsharded group +
+    the group being prefetched while it computes."""
+    return steady + largest_group + prefetch
+
+
+@dataclass(frozen=True)
+class AnalyticEstimate:
+    """Peak bytes per rank as a sum of named terms (each printed by `fsdp-bench estimate`)."""
+
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.terms.values())
+
+
+def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
+    """The seed's model applied to a preset shape and a run's FSDP settings."""
+    shape = run.model.shape
+    shard = 1 if run.strategy == "ddp" else run.shard_group_size
+    compute_bytes = 2 if run.fsdp.mixed_precision == "bf16" else 4
+    params = _parameter_shapes(shape)
+    sharded = sum(_padded(rows, cols, shard) for rows, cols in params) / shard
+    optimizer = OPTIMIZER_BYTES[run.train.optimizer]
+    terms = {
+        "sharded_parameters": sharded * 4,
+        "sharded_gradients": sharded * 4,
+        "optimizer_state": sharded * optimizer,
+    }
+    if run.strategy == "ddp":
+        terms["ddp_gradient_buckets"] = sharded * 4  # flat copies of the gradients
+    else:
+        terms.update(_unsharded_terms(run, shape, compute_bytes))
+    terms["activations"] = _activation_bytes(run, shape, compute_bytes)
+    tokens = run.data.micro_batch_size * run.data.seq_len
+    # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
+    terms["temporaries"] = tokens * shape.vocab_size * (compute_bytes + 4 + 4)
+    return AnalyticEstimate(terms)
+
+
+def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> dict[str, float]:
+    """Full parameters and gradients that exist while groups compute (FSDP/HSDP only)."""
+    block = shape.block_params
+    root = shape.embedding_params + shape.head_params + shape.dim
+    k = grouping_block_count(str(run.fsdp.grouping))
+    match str(run.fsdp.grouping):
+        case "root":
+            groups = [shape.num_params]
+        case "block":
+            groups = [block] * shape.n_layers + [root]
+        case "linear":
+            groups = [shape.ffn_dim * shape.dim] * 3 * shape.n_layers + [root]
+        case _ if k is not None:
+            groups = [k * block] * (shape.n_layers // k) + [root]
+        case _:  # module patterns: at most a block at a time
+            groups = [block] * shape.n_layers + [root]
+    largest = max(groups)
+    typical = max(groups[:-1], default=largest)
+    reshard = run.fsdp.reshard_after_forward
+    kept: float
+    if reshard is False or reshard == 1:
+        kept = shape.num_params  # every group stays unsharded from forward to backward
+    elif isinstance(reshard, int) and not isinstance(reshard, bool):
+        kept = shape.num_params / reshard  # resharded to groups of `reshard` ranks
+    else:
+        kept = 0
+    depth = 1 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
+    prefetched = 0 if len(groups) == 1 else depth * typical
+    sync_last = run.train.grad_sync == "last" and run.train.accumulation_steps > 1
+    # a group's gradients in its compute dtype until reduce-scattered; when syncing only on the
+    # last micro-batch, every group's accumulate in fp32 until then
+    unsharded_grads = shape.num_params * 4 if sync_last else largest * compute_bytes
+    return {
+        "largest_unsharded_group": largest * compute_bytes,
+        "kept_unsharded_parameters": kept * compute_bytes,
+        "prefetch_buffer": prefetched * compute_bytes,
+        "unsharded_gradients": unsharded_grads,
+    }
+
+
+def _activation_bytes(run: RunConfig, shape: ModelShape, compute_bytes: int) -> float:
+    """Saved activations of one micro-batch (gradients are computed one at a time).
+
+    Per token and block, what autograd keeps for a Llama block: norm inputs and outputs, q, k,
+    v and their rotated fp32 copies, the attention output, the three MLP projections and their
+    product. With block checkpointing: only each block's input, plus one block's activations
+    while it is recomputed.
+    """
+    tokens = run.data.micro_batch_size * run.data.seq_len
+    kv = shape.n_kv_heads * shape.head_dim
+    per_token = (6 * shape.dim + 2 * kv + 4 * shape.ffn_dim) * compute_bytes
+    per_token += (shape.dim + kv) * 4  # rotary embedding works in fp32
+    block = tokens * per_token
+    embedding = tokens * shape.dim * compute_bytes
+    if run.fsdp.activation_checkpointing == "block":
+        return embedding + tokens * shape.dim * compute_bytes * shape.n_layers + block
+    return embedding + block * shape.n_layers
+
+
+def _parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    """(rows, cols) of every parameter; vectors are (rows, 1)."""
+    kv = shape.n_kv_heads * shape.head_dim
+    d, f = shape.dim, shape.ffn_dim
+    block = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (d, f), (f, d), (d, 1), (d, 1)]
+    out = [(shape.vocab_size, d), *block * shape.n_layers, (d, 1)]
+    if not shape.tie_embeddings:
+        out.append((shape.vocab_size, d))
+    return out
+
+
+def _padded(rows: int, cols: int, ranks: int) -> int:
+    """FSDP2 pads dim 0 to a multiple of the shard count."""
+    return -(-rows // ranks) * ranks * cols

@@ -1,0 +1,164 @@
+"""The simulated estimate: the worker's own code for rank 0, at the target world size, on fake
+tensors and a fake process group, measured by the same memory tracker as a real run.
+
+Same model, same `parallelize`, same optimizer and training step, same `profile_step`: what a
+real run would allocate, tensor by tensor, without memory or a GPU. Not modelled: what lives
+outside tensors (CUDA context, NCCL buffers, allocator fragmentation); that is the overhead
+term of the budget (`MemoryConfig.overhead_gib`).
+
+Large models are simulated with a few blocks and extrapolated: every per-rank category is
+affine in the number of identical blocks (shards, gradients, optimizer state and saved
+activations grow with it; the root group, the prefetch buffer and the logits do not), so two
+small simulations give the slope and intercept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.job.measure import MemoryReport, add_ddp_buckets, profile_step
+from fsdp_bench.job.models import build_model, init_weights
+from fsdp_bench.job.parallelize import materialize, shard
+from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.memory.fake import fake_tensors, fake_world
+
+
+@dataclass(frozen=True)
+class SimulatedEstimate:
+    peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    method: str
+    """`full`, or `extrapolated from N and M blocks`."""
+    wall_s: float
+
+
+def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
+    """Peak tracked memory of rank 0 of `run`, without running it."""
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+    start = time.perf_counter()
+    points = _settled_line(run) if extrapolate else None
+    if points is None:
+        report = simulate_step(run)
+        return SimulatedEstimate(
+            report.peak_bytes, report.breakdown_bytes, "full", time.perf_counter() - start
+        )
+    (small, a), (large, b) = points
+    target = run.model.shape.n_layers
+
+    def line(at_small: int, at_large: int) -> int:
+        slope = (at_large - at_small) / (large - small)
+        return round(at_small + slope * (target - small))
+
+    # Every moment of the step grows linearly with the blocks, but the largest one at the
+    # target size need not be the largest in the small models: take the largest line.
+    moments_a, moments_b = _moments(a, small), _moments(b, large)
+    peak = max(
+        [line(a.peak_bytes, b.peak_bytes)]
+        + [line(moments_a[k], moments_b[k]) for k in moments_a.keys() & moments_b.keys()]
+    )
+    categories = a.breakdown_bytes.keys() | b.breakdown_bytes.keys()
+    breakdown = {
+        c: line(a.breakdown_bytes.get(c, 0), b.breakdown_bytes.get(c, 0)) for c in categories
+    }
+    method = f"extrapolated from {small} and {large} blocks"
+    if min(breakdown.values(), default=0) < 0 or abs(sum(breakdown.values()) - peak) > peak / 100:
+        # The peak came at another moment of the step in the two small models: the total
+        # still grows by one block's worth, but its parts do not; scale the larger model's.
+        scale = peak / max(b.peak_bytes, 1)
+        breakdown = {c: round(v * scale) for c, v in b.breakdown_bytes.items()}
+        method += f" (parts: the {large}-block model's, scaled)"
+    return SimulatedEstimate(peak, breakdown, method, time.perf_counter() - start)
+
+
+# Extrapolation is trusted once two consecutive slopes agree this closely, measured by what
+# their difference would change at the target size.
+SETTLED = 0.002
+MAX_SMALL_MODELS = 6
+
+
+def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None:
+    """Two small block counts on the straight part of peak(blocks), simulated; None: simulate
+    the whole model (user models, uneven groups, or no straight part found cheaply).
+
+    The first few blocks can still change which moment of the step is the peak (70B: the
+    logits' gradient overtakes between 2 and 3 blocks), so slopes are compared until two
+    consecutive ones agree."""
+    if run.model.is_user_model:
+        return None
+    target = run.model.shape.n_layers
+    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
+    depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
+    if target % per_group:
+        return None
+    counts = [per_group * n for n in range(max(2, depth + 1), target // per_group)]
+    if sum(counts[:3]) > target:  # three small models would cost more than the whole one
+        return None
+    points: list[tuple[int, MemoryReport]] = []
+    spent = 0
+    for count in counts[:MAX_SMALL_MODELS]:
+        spent += count
+        if spent > target:
+            return None
+        points.append((count, simulate_step(_with_layers(run, count))))
+        if len(points) >= 3:
+            (n0, p0), (n1, p1), (n2, p2) = points[-3:]
+            slope_a = (p1.peak_bytes - p0.peak_bytes) / (n1 - n0)
+            slope_b = (p2.peak_bytes - p1.peak_bytes) / (n2 - n1)
+            if abs(slope_b - slope_a) * (target - n2) <= SETTLED * p2.peak_bytes:
+                return points[-2], points[-1]
+    return None
+
+
+def simulate_step(run: RunConfig) -> MemoryReport:
+    """One warm-up step (optimizer state), then the profiled step, all on fake tensors.
+
+    Sharding happens on the meta device before fake mode (FSDP2 builds small real index
+    tensors for its meshes then). DDP is simulated unwrapped (its wrapper talks to the process
+    group at construction) plus its gradient buckets: flat copies of every gradient, allocated
+    at construction and alive all along."""
+    with fake_world(run.world_size):
+        names = ("replicate", "shard") if len(run.mesh_shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
+        device = torch.device("cpu")
+        torch.manual_seed(run.data.seed)
+        bundle = build_model(run.model)
+        model, _ = shard(bundle, run, mesh, device)
+        with fake_tensors():
+            materialize(model, device)
+            init_weights(model)
+            optimizer = build_optimizer(model, run)
+            batches = rank_batches(run, 0, bundle.vocab_size, device)
+            make_train_step(model, optimizer, batches, run)()
+            memory = profile_step(model, optimizer, batches, run).memory
+    if run.strategy == "ddp":
+        add_ddp_buckets(memory, model)
+    return memory
+
+
+def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
+    """Module peaks under names that mean the same moment whatever the block count: the first
+    and the last block (the middle ones lie between them), and the modules outside blocks."""
+    moments = {}
+    for key, value in report.module_peaks.items():
+        match = re.search(r"\.layers\.(\d+)(?=[. ])", key)
+        if match:
+            index = int(match.group(1))
+            if index not in (0, n_layers - 1):
+                continue
+            where = "first" if index == 0 else "last"
+            key = key[: match.start(1)] + where + key[match.end(1) :]
+        moments[key] = value
+    return moments
+
+
+def _with_layers(run: RunConfig, n_layers: int) -> RunConfig:
+    model = dataclasses.replace(run.model, n_layers=n_layers)
+    return dataclasses.replace(run, model=model)

@@ -1,0 +1,309 @@
+"""`fsdp-bench report`: a results folder (and optionally a second one) -> report folder.
+
+Loads the runs, computes the summaries, draws the figures and writes `report.html` (one
+self-contained file) and `summary.md` (to paste into a design doc) beside the PNGs. Works on
+a sweep still running: it reports what is recorded now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from fsdp_bench import study_storage
+from fsdp_bench.errors import FsdpBenchError, ResultsError
+from fsdp_bench.report import compare as comparing
+from fsdp_bench.report import figures as figs
+from fsdp_bench.report import html as html_report
+from fsdp_bench.report import search_figures as study_figures
+from fsdp_bench.report import study as study_data
+from fsdp_bench.report import summaries
+from fsdp_bench.report import tables as report_tables
+from fsdp_bench.store import load_results, write_atomic
+
+
+@dataclass(frozen=True)
+class GridInfo:
+    """What a results folder's grid.yaml says that the report uses."""
+
+    name: str
+    budget_gib: float | None
+    text: str
+    path: Path | None
+    metric: str = "tokens_per_s"
+    """What a search optimised (search.metric)."""
+    margin_gib: float = 0.0
+    """Kept free below the budget (memory.margin_gib): a run fits when peak + margin <= budget,
+    the rule `sweep` prunes by and `search` calls feasible."""
+
+
+@dataclass
+class ReportOutcome:
+    out: Path
+    paths: list[Path]
+    """Everything written: report.html, summary.md, then the figure files."""
+    headline: str
+    best: pd.DataFrame
+    figures: list[figs.Figure] = field(default_factory=list)
+
+
+def read_grid(results_dir: Path) -> GridInfo:
+    """Name and memory budget from the grid saved with the results; the folder name and no
+    budget when there is none. A grid this version cannot validate is still read as YAML."""
+    path = results_dir / "grid.yaml"
+    if not path.exists():
+        return GridInfo(results_dir.name, None, "", None)
+    text = path.read_text()
+    try:
+        from fsdp_bench.config.grid import load_grid
+
+        spec = load_grid(path)
+        memory_config = spec.memory
+        return GridInfo(spec.name, memory_config.budget_gib, text, path, spec.search.metric,
+                        memory_config.margin_gib)  # fmt: skip
+    except FsdpBenchError:
+        data: Any = yaml.safe_load(text) or {}
+        memory = data.get("memory") or {} if isinstance(data, dict) else {}
+        budget = memory.get("budget_gib") if isinstance(memory, dict) else None
+        margin = memory.get("margin_gib") if isinstance(memory, dict) else None
+        name = data.get("name", results_dir.name) if isinstance(data, dict) else results_dir.name
+        return GridInfo(str(name), float(budget) if budget else None, text, path,
+                        margin_gib=float(margin or 0.0))  # fmt: skip
+
+
+def load(results_dir: Path) -> pd.DataFrame:
+    """The runs of a folder, or a one-line error a user can act on."""
+    if not results_dir.is_dir():
+        raise ResultsError(f"{results_dir}: no such results folder")
+    df = load_results(results_dir)
+    if df.empty:
+        raise ResultsError(
+            f"{results_dir}: no runs recorded yet (runs/ is empty); "
+            "run `fsdp-bench sweep` or `fsdp-bench search` first, or wait for the first run"
+        )
+    return df
+
+
+def build_report(
+    results_dir: Path,
+    *,
+    out: Path | None = None,
+    compare: Path | None = None,
+    svg: bool = False,
+    budget_gib: float | None = None,
+    storage: str | None = None,
+) -> ReportOutcome:
+    """Write the report folder (default `<results>/report`) and say what was written."""
+    df = load(results_dir)
+    other = load(compare) if compare is not None else None
+    grid = read_grid(results_dir)
+    study = study_storage.load_study(results_dir, grid.name, storage)
+    if study is not None:  # a search: the budget and metric it ran with, overrides included
+        grid = dataclasses.replace(
+            grid,
+            budget_gib=study.user_attrs.get("budget_gib", grid.budget_gib),
+            metric=study.user_attrs.get("metric", grid.metric),
+        )
+    budget = budget_gib if budget_gib is not None else grid.budget_gib
+    out = out or results_dir / "report"
+    _clear_figures(out)
+    canvas = figs.Canvas(out=out, subject=summaries.subject(df), svg=svg)
+
+    limit = None if budget is None else budget - grid.margin_gib
+    best = summaries.best_per_world_size(df, limit)
+    headline = headline_text(df, best)
+    budget_text = (
+        f"Fastest run per world size that finished ok within the {budget:g} GiB per rank "
+        "budget (the grid's memory.budget_gib, or --budget-gib)"
+        + (f" less its {grid.margin_gib:g} GiB margin." if grid.margin_gib else ".")
+        if budget is not None
+        else "Fastest run per world size that finished ok. No memory budget: the results "
+        "folder's grid.yaml sets no memory.budget_gib; pass --budget-gib to apply one."
+    )
+    sections = [
+        html_report.Section(
+            "Best configuration per world size",
+            budget_text,
+            [("", report_tables.best_table(best))],
+        ),
+        html_report.Section(
+            "Runs by status", "", [("", report_tables.status_table(summaries.status_counts(df)))]
+        ),
+    ]
+    drawn = [
+        figs.throughput_by_grouping(df, canvas),
+        figs.memory_vs_throughput(df, canvas, budget),
+        figs.memory_breakdown(df, canvas, budget),
+        figs.collectives(df, canvas),
+    ]
+    sections.append(html_report.Section("Throughput and memory", "", figures=list(drawn)))
+    effects = summaries.axis_effects(df)
+    sections.append(
+        html_report.Section(
+            "Effect of each axis",
+            "tokens/s and peak memory relative to the axis's most common value, in runs equal "
+            "in every other setting (world size included): the median ratio over matched "
+            "pairs. Above 1× means faster or more memory.",
+            [("", report_tables.effects_table(effects))],
+        )
+    )
+    scaling = summaries.scaling_efficiency(df)
+    scaling_figure = figs.scaling(df, canvas)
+    sections.append(
+        html_report.Section(
+            "Scaling",
+            scaling_figure.skipped and f"No scaling table: {scaling_figure.skipped}.",
+            [("", report_tables.scaling_table(scaling))] if not scaling.empty else [],
+            [scaling_figure],
+        )
+    )
+    drawn.append(scaling_figure)
+    if study is not None:
+        drawn += _search_section(study, canvas, sections, grid.metric)
+    names = (results_dir.name, compare.name if compare is not None else "")
+    if other is not None:
+        if names[0] == names[1]:
+            names = (str(results_dir), str(compare))
+        table = comparing.compare_results(df, other)
+        figure = figs.comparison(
+            table, figs.Canvas(out, f"{canvas.subject} | {summaries.subject(other)}", svg), names
+        )
+        drawn.append(figure)
+        matched = int((table["tokens_per_s_ratio"].notna()).sum())
+        medians = (
+            f" (median {table['tokens_per_s_ratio'].median():.2f}× tokens/s, "
+            f"{table['peak_memory_ratio'].median():.2f}× peak memory)"
+            if matched
+            else ""
+        )
+        sections.append(
+            html_report.Section(
+                f"Comparison: {names[0]} vs {names[1]}",
+                f"{matched} configurations ran ok in both; ratios are {names[1]} ÷ {names[0]}"
+                f"{medians}. A configuration in one folder only has an empty other side.",
+                [("", report_tables.compare_table(table, names))],
+                [figure],
+            )
+        )
+    sections.append(
+        html_report.Section(
+            "All runs",
+            "Fastest first; failures last with the first line of their reason.",
+            [("", report_tables.runs_table(df))],
+        )
+    )
+    provenance = {
+        "results folder": str(results_dir.resolve()),
+        "grid file": str(grid.path.resolve()) if grid.path else "- (no grid.yaml)",
+        "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
+        **summaries.provenance(df),
+        "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if other is not None and compare is not None:
+        provenance["compared with"] = str(compare.resolve())
+        provenance.update({f"{k} ({names[1]})": v for k, v in summaries.provenance(other).items()})
+    doc = html_report.Document(
+        title=f"fsdp-bench report: {grid.name}",
+        subtitle=canvas.subject,
+        headline=headline,
+        sections=sections,
+        provenance=provenance,
+        grid_text=grid.text,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    html_path, md_path = out / "report.html", out / "summary.md"
+    write_atomic(html_path, html_report.render(doc))
+    write_atomic(md_path, markdown_summary(doc, best, effects, scaling, drawn))
+    files = [p for f in drawn for p in f.paths]
+    return ReportOutcome(out, [html_path, md_path, *files], headline, best, drawn)
+
+
+def _search_section(
+    study: Any, canvas: figs.Canvas, sections: list[html_report.Section], metric: str
+) -> list[figs.Figure]:
+    trials = study_data.trial_table(study)
+    progress = study_figures.search_progress(trials, canvas, metric, study_data.maximizes(study))
+    found, why = study_data.importances(study)
+    importance = study_figures.param_importance(found, canvas, metric)
+    if why:
+        importance.skipped = why
+    counts = trials["state"].value_counts()
+    text = (
+        f"optuna study '{study.study_name}': {len(trials)} trials ("
+        + ", ".join(f"{n} {str(state).lower()}" for state, n in counts.items())
+        + f"); {int(trials['feasible'][trials['state'].eq('COMPLETE')].sum())} feasible."
+    )
+    sections.append(html_report.Section("Search", text, figures=[progress, importance]))
+    return [progress, importance]
+
+
+def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
+    """One sentence per world size: the best configuration spelled out and its numbers."""
+    columns = summaries.varying(df, summaries.config_columns(df, summaries.SCALE_COLUMNS))
+    by_id = df.drop_duplicates("run_id").set_index("run_id")
+    lines = []
+    for _, row in best.iterrows():
+        size = int(row["world_size"])
+        if not isinstance(row["run_id"], str):
+            lines.append(f"World size {size}: no configuration fits ({row['note']}).")
+            continue
+        run = by_id.loc[str(row["run_id"])]
+        assert isinstance(run, pd.Series)
+        config = summaries.describe(run, columns) or "the only configuration"
+        lines.append(
+            f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
+            f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']})."
+        )
+    return "\n".join(lines)
+
+
+def markdown_summary(
+    doc: html_report.Document,
+    best: pd.DataFrame,
+    effects: pd.DataFrame,
+    scaling: pd.DataFrame,
+    drawn: list[figs.Figure],
+) -> str:
+    """The part of the report worth pasting: best configuration, the key tables, figures by
+    relative path, provenance in one line."""
+    md = report_tables.markdown
+    lines = [f"# {doc.title}", "", f"_{doc.subtitle}_", ""]
+    lines += [f"- **{line}**" for line in doc.headline.splitlines()] + [""]
+    lines += ["## Best configuration per world size", "", md(report_tables.best_table(best)), ""]
+    lines += ["## Effect of each axis (median ratio over matched runs)", ""]
+    lines += [md(report_tables.effects_table(effects)), ""]
+    if not scaling.empty:  # at the smallest world size every efficiency is 100% by definition
+        beyond = scaling[scaling["world_size"] > scaling["world_size"].min()]
+        lines += ["## Scaling efficiency", "", md(report_tables.scaling_table(beyond)), ""]
+    for section in doc.sections:
+        if section.title.startswith("Comparison") or section.title == "Runs by status":
+            lines += [f"## {section.title}", ""] + ([section.text, ""] if section.text else [])
+            lines += [md(t) for _, t in section.tables] + [""]
+    lines += ["## Figures", ""]
+    for figure in drawn:
+        if figure.paths:
+            lines.append(f"![{figure.title}]({figure.paths[0].name})")
+        else:
+            lines.append(f"- {figure.title}: not drawn ({figure.skipped})")
+    p = doc.provenance
+    lines += [
+        "",
+        f"Provenance: torch {p['torch version']}, {p['devices']}, hosts {p['hosts']}, "
+        f"runs {p['first run started']} to {p['last run finished']}, grid {p['grid file']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _clear_figures(out: Path) -> None:
+    """Remove figures an earlier report wrote here (and only those), so none goes stale."""
+    names = [*figs.FIGURES, "search_progress", "param_importance", "comparison"]
+    for name in names:
+        for suffix in (".png", ".svg"):
+            (out / f"{name}{suffix}").unlink(missing_ok=True)

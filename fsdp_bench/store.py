@@ -1,0 +1,197 @@
+"""The results store: one JSON record per run, written atomically, read back as a DataFrame.
+
+Layout of a results folder (`results/<grid name>/` by default):
+
+    runs/<run_id>.json        one finished run (any status), written by temp file + rename
+    inflight/<run_id>/        a run in progress: who started it, per-rank failure notes
+    jobs/                     launcher state and submitit's job folders (logs)
+    grid.yaml                 the grid as it was given, for provenance
+
+One file per run means no two writers ever touch the same file, on one machine or over a
+shared filesystem, and a crash can lose at most the run that was executing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+Status = Literal["ok", "oom", "error", "timeout", "skipped", "cancelled", "preempted", "node_fail"]
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """What one run produced: its configuration, status, metrics and provenance.
+
+    Metrics are None when the run did not get that far (failures) or when the device cannot
+    provide them (MFU and reserved memory on CPU).
+    """
+
+    run_id: str
+    status: Status
+    config: dict[str, Any]
+    reason: str = ""
+    """For failures: the class detail and the tail of the error or log."""
+    # Throughput (timed steps only; step time is the slowest rank's, median over repeats)
+    tokens_per_s: float | None = None
+    tokens_per_s_per_rank: float | None = None
+    step_time_s: float | None = None
+    step_time_min_s: float | None = None
+    step_time_max_s: float | None = None
+    step_time_spread_pct: float | None = None
+    step_times_s: list[float] | None = None
+    mfu: float | None = None
+    flops_per_token: float | None = None
+    # Memory (max over ranks)
+    peak_memory_gib: float | None = None
+    """CUDA: max_memory_allocated over the timed steps. CPU: the tracked tensor peak."""
+    peak_reserved_gib: float | None = None
+    tracked_peak_gib: float | None = None
+    memory_breakdown_gib: dict[str, float] | None = None
+    peak_memory_source: str | None = None
+    estimated_peak_gib: float | None = None
+    """The simulated estimate made before the run (tensors only, like tracked_peak_gib)."""
+    analytic_peak_gib: float | None = None
+    # Communication per optimizer step (rank 0; all ranks issue the same collectives)
+    all_gathers_per_step: int | None = None
+    all_gather_bytes_per_step: int | None = None
+    reduce_scatters_per_step: int | None = None
+    reduce_scatter_bytes_per_step: int | None = None
+    all_reduces_per_step: int | None = None
+    all_reduce_bytes_per_step: int | None = None
+    all_gathers_before_compute: int | None = None
+    """All-gathers issued before the first matmul of a step: 2 for block grouping with
+    implicit prefetch (root, first block); explicit prefetch of depth d adds d."""
+    largest_group_bytes: int | None = None
+    num_groups: int | None = None
+    num_params: int | None = None
+    # Correctness (only with --verify)
+    parity_ok: bool | None = None
+    parity_grad_max_abs_diff: float | None = None
+    parity_param_max_abs_diff: float | None = None
+    # Provenance
+    setup_s: float | None = None
+    """Build, shard and materialise the model, create the optimizer (slowest rank)."""
+    warmup_s: float | None = None
+    timed_s: float | None = None
+    """Wall time of all timed steps (repeats x timed_steps)."""
+    wall_s: float | None = None
+    """The whole run on rank 0, measurement steps and gathering included."""
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunResult:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder, fsync, rename: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultStore:
+    """A results folder. Safe for concurrent writers of different runs."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.runs_dir = self.root / "runs"
+        self.inflight_dir = self.root / "inflight"
+        self.jobs_dir = self.root / "jobs"
+
+    def record(self, result: RunResult) -> None:
+        write_atomic(self.runs_dir / f"{result.run_id}.json", result.to_json())
+
+    def has(self, run_id: str) -> bool:
+        return (self.runs_dir / f"{run_id}.json").exists()
+
+    def get(self, run_id: str) -> RunResult | None:
+        path = self.runs_dir / f"{run_id}.json"
+        return RunResult.from_json(path.read_text()) if path.exists() else None
+
+    def done_ids(self) -> set[str]:
+        if not self.runs_dir.exists():
+            return set()
+        return {p.stem for p in self.runs_dir.glob("*.json")}
+
+    def results(self) -> list[RunResult]:
+        if not self.runs_dir.exists():
+            return []
+        paths = sorted(self.runs_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        return [RunResult.from_json(p.read_text()) for p in paths]
+
+    def inflight(self, run_id: str) -> Path:
+        return self.inflight_dir / run_id
+
+
+# DataFrame columns for the RunConfig: leaf names, except where a leaf name is ambiguous.
+_CONFIG_COLUMN = {"model.name": "model", "fault.kind": "fault", "fault.rank": "fault_rank"}
+
+
+def result_row(result: RunResult) -> dict[str, Any]:
+    """One flat row: run_id, status, the config's leaves, metrics, provenance."""
+    row: dict[str, Any] = {"run_id": result.run_id, "status": result.status}
+    row.update(_flatten_config(result.config))
+    row["nodes"] = row["world_size"] // (row.get("processes_per_node") or row["world_size"])
+    for f in dataclasses.fields(result):
+        if f.name in ("run_id", "status", "config", "provenance"):
+            continue
+        row[f.name] = getattr(result, f.name)
+    for key, value in result.provenance.items():
+        row[key] = value
+    return row
+
+
+def _flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "options":
+            out.update(_flatten_config(value, f"{dotted}."))
+        else:
+            out[_CONFIG_COLUMN.get(dotted, key)] = value
+    return out
+
+
+def load_results(root: str | Path) -> pd.DataFrame:
+    """Every recorded run of a results folder as a DataFrame, one row per run.
+
+    Columns: run_id, status, the configuration (world_size, grouping, ...), the metrics of
+    `RunResult` and provenance (hostnames, torch_version, ...). A folder without runs gives an
+    empty table with the configuration and metric columns.
+    """
+    import pandas as pd
+
+    store = ResultStore(root)
+    if not store.root.exists():
+        raise FileNotFoundError(f"no results folder at {store.root}")
+    rows = [result_row(r) for r in store.results()]
+    if not rows:
+        from fsdp_bench.config.run import RunConfig
+        from fsdp_bench.config.schema import to_plain
+
+        template = result_row(RunResult(run_id="", status="ok", config=to_plain(RunConfig())))
+        return pd.DataFrame(columns=list(template))
+    return pd.DataFrame(rows)
