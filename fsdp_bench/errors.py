@@ -61,6 +61,11 @@ def show(value: object) -> str:
     return repr(value) if isinstance(value, str) else yaml_scalar(value)
 
 
+def one_line(err: BaseException, limit: int = 800) -> str:
+    """An exception's text on one line (tools such as YAML and sbatch answer in several)."""
+    return " ".join(str(err).split())[:limit]
+
+
 def yaml_scalar(value: object) -> str:
     """true, not True; null, not None (for tables)."""
     if isinstance(value, bool):

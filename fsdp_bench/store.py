@@ -18,11 +18,18 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fsdp_bench.config.run import FSDP_ONLY_FIELDS, RunConfig
+from fsdp_bench.config.schema import field_paths, to_plain
+
 if TYPE_CHECKING:
     import pandas as pd
+
+GIB = 1024**3
+"""Bytes per GiB: records give memory in GiB, as `nvidia-smi` and allocator stats do."""
 
 Status = Literal["ok", "oom", "error", "timeout", "skipped", "cancelled", "preempted", "node_fail"]
 
@@ -97,6 +104,11 @@ class RunResult:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def now_iso() -> str:
+    """A UTC timestamp for records, notes and the ledger, to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same folder, fsync, rename: readers see all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +159,25 @@ class ResultStore:
 
 
 # DataFrame columns for the RunConfig: leaf names, except where a leaf name is ambiguous.
-_CONFIG_COLUMN = {"model.name": "model", "fault.kind": "fault", "fault.rank": "fault_rank"}
+_RENAMED = {"model.name": "model", "fault.kind": "fault", "fault.rank": "fault_rank"}
+COLUMN_OF_PATH = {
+    path: _RENAMED.get(path, path.rsplit(".", 1)[-1]) for path in field_paths(RunConfig)
+}
+"""Each RunConfig leaf (dotted path) and the results column it becomes."""
+
+# How a run is timed (warm-up, timed steps, repeats), its seed and learning rate change how
+# precisely it is measured, not what runs: two folders measured differently still match.
+_NOT_IDENTITY = ("measure.", "data.seed", "train.learning_rate")
+CONFIG_COLUMNS = [
+    column
+    for path, leaf in COLUMN_OF_PATH.items()
+    if not path.startswith(_NOT_IDENTITY)
+    for column in ([leaf, "nodes"] if path == "processes_per_node" else [leaf])
+]
+"""The columns that identify a configuration, in RunConfig order (`nodes` derived)."""
+MODEL_COLUMNS = [c for p, c in COLUMN_OF_PATH.items() if p.startswith("model.")]
+FAULT_COLUMNS = [c for p, c in COLUMN_OF_PATH.items() if p.startswith("fault.")]
+FSDP_ONLY_COLUMNS = list(FSDP_ONLY_FIELDS)
 
 
 def result_row(result: RunResult) -> dict[str, Any]:
@@ -171,7 +201,7 @@ def _flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         if isinstance(value, dict) and key != "options":
             out.update(_flatten_config(value, f"{dotted}."))
         else:
-            out[_CONFIG_COLUMN.get(dotted, key)] = value
+            out[COLUMN_OF_PATH.get(dotted, key)] = value
     return out
 
 
@@ -189,9 +219,6 @@ def load_results(root: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no results folder at {store.root}")
     rows = [result_row(r) for r in store.results()]
     if not rows:
-        from fsdp_bench.config.run import RunConfig
-        from fsdp_bench.config.schema import to_plain
-
         template = result_row(RunResult(run_id="", status="ok", config=to_plain(RunConfig())))
         return pd.DataFrame(columns=list(template))
     return pd.DataFrame(rows)

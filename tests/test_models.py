@@ -85,9 +85,7 @@ def test_user_model_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     bundle = build_model(ModelConfig(name="my_models:build", options={"width": 8}))
     assert len(bundle.blocks) == 3 and bundle.module.embed.weight.shape == (100, 8)
     assert plan_groups(bundle, "block").num_groups == 4
-    with pytest.raises(
-        ConfigError, match=r"returned Net, expected fsdp_bench\.ModelBundle"
-    ):
+    with pytest.raises(ConfigError, match=r"returned Net, expected fsdp_bench\.ModelBundle"):
         build_model(ModelConfig(name="my_models:not_a_bundle"))
     with pytest.raises(ConfigError, match="has no function 'missing'"):
         build_model(ModelConfig(name="my_models:missing"))

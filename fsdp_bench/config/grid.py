@@ -21,7 +21,7 @@ from typing import Any
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import MemoryConfig, RunConfig, SearchConfig, canonical_grouping
 from fsdp_bench.config.schema import bad_value, build, coerce, field_paths
-from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
+from fsdp_bench.errors import CombinationError, ConfigError, FieldError, one_line, show
 
 AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -74,7 +74,7 @@ def _load_yaml(path: Path) -> Any:
     try:
         return yaml.load(text, Loader=_strict_loader())
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {_one_line(err)}") from None
+        raise ConfigError(f"{path}: not valid YAML: {one_line(err)}") from None
 
 
 def parse_grid(data: object, *, source: str = "<grid>") -> SweepSpec:
@@ -347,10 +347,6 @@ def get_path(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
 
 
 @functools.cache

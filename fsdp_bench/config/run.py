@@ -118,6 +118,17 @@ class FsdpConfig:
             raise bad_value("prefetch", self.prefetch, "expected implicit or a depth >= 1")
 
 
+FSDP_ONLY_FIELDS = (
+    "grouping",
+    "reshard_after_forward",
+    "prefetch",
+    "cpu_offload",
+    "shard_group_size",
+)
+"""The FsdpConfig fields DDP has no use for: reset under DDP (`RunConfig.canonical`) and shown
+as '-' for DDP rows in tables."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     accumulation_steps: int = 1
@@ -252,7 +263,7 @@ class RunConfig:
     def canonical(self) -> RunConfig:
         """Settings that cannot matter reset to defaults, so equal runs get equal ids.
 
-        Under DDP the FSDP-only knobs (grouping, resharding, prefetch, offload) do nothing;
+        Under DDP the FSDP-only knobs (FSDP_ONLY_FIELDS) do nothing;
         outside hsdp the shard group is every rank.
         """
         if self.strategy == "fsdp" and self.fsdp.shard_group_size is not None:
@@ -261,11 +272,12 @@ class RunConfig:
             )
         if self.strategy != "ddp":
             return self
-        plain = FsdpConfig(
-            mixed_precision=self.fsdp.mixed_precision,
-            activation_checkpointing=self.fsdp.activation_checkpointing,
-        )
-        return dataclasses.replace(self, fsdp=plain)
+        kept = {
+            f.name: getattr(self.fsdp, f.name)
+            for f in dataclasses.fields(FsdpConfig)
+            if f.name not in FSDP_ONLY_FIELDS
+        }
+        return dataclasses.replace(self, fsdp=FsdpConfig(**kept))
 
 
 def canonical_grouping(value: object) -> str:

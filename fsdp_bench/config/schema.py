@@ -14,7 +14,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from fsdp_bench.errors import FieldError
+from fsdp_bench.errors import FieldError, yaml_scalar
 
 T = TypeVar("T")
 
@@ -51,18 +51,18 @@ def coerce(tp: Any, value: object) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is not bool:
             return value
-        raise bad_value("", value, f"expected {describe(tp)}")
+        raise bad_value("", value, f"expected {describe_type(tp)}")
     if origin in (Union, types.UnionType):
         for option in typing.get_args(tp):
             try:
                 return coerce(option, value)
             except FieldError:
                 continue
-        raise bad_value("", value, f"expected {describe(tp)}")
+        raise bad_value("", value, f"expected {describe_type(tp)}")
     if origin is tuple:
         (item_type, _ellipsis) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise bad_value("", value, f"expected {describe(tp)}")
+            raise bad_value("", value, f"expected {describe_type(tp)}")
         items = []
         for index, item in enumerate(value):
             try:
@@ -96,14 +96,14 @@ def coerce(tp: Any, value: object) -> Any:
             return value
     else:
         raise TypeError(f"schema: unsupported field type {tp!r}")
-    raise bad_value("", value, f"expected {describe(tp)}")
+    raise bad_value("", value, f"expected {describe_type(tp)}")
 
 
-def describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     """Human wording of a type, for error messages."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(_yaml_literal(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(yaml_scalar(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         choices: list[str] = []
         others: list[str] = []
@@ -111,14 +111,14 @@ def describe(tp: Any) -> str:
             if option is bool:
                 choices += ["true", "false"]
             elif typing.get_origin(option) is Literal:
-                choices += [_yaml_literal(a) for a in typing.get_args(option)]
+                choices += [yaml_scalar(a) for a in typing.get_args(option)]
             else:
-                others.append(describe(option))
+                others.append(describe_type(option))
         if choices:
             others.insert(0, "one of " + ", ".join(choices))
         return " or ".join(others)
     if origin is tuple:
-        return f"a list of {describe(typing.get_args(tp)[0])}s"
+        return f"a list of {describe_type(typing.get_args(tp)[0])}s"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
     return {
@@ -129,12 +129,6 @@ def describe(tp: Any) -> str:
         str: "a string",
         dict: "a mapping",
     }.get(tp, str(tp))
-
-
-def _yaml_literal(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def non_default_fields(obj: Any) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import time
 import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,7 @@ from fsdp_bench.job.rendezvous import (
     rank_info,
 )
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
-from fsdp_bench.store import ResultStore, RunResult, write_atomic
-
-GIB = 1024**3
+from fsdp_bench.store import GIB, ResultStore, RunResult, now_iso, write_atomic
 
 
 @dataclass(frozen=True)
@@ -149,7 +146,7 @@ def run_job(job: JobSpec) -> list[str]:
         if info.rank == 0:
             _mark_started(inflight, info)
             print(f"fsdp-bench: run {run.run_id} started", flush=True)
-        started_at = _now()
+        started_at = now_iso()
         start = time.perf_counter()
         try:
             outcome = execute_run(run, context)
@@ -344,7 +341,7 @@ def provenance(context: JobContext, ranks: list[RankOutcome], started_at: str) -
         "job_id": context.info.job_id,
         "attempt": context.info.attempt,
         "started_at": started_at,
-        "finished_at": _now(),
+        "finished_at": now_iso(),
     }
 
 
@@ -409,7 +406,7 @@ def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
         "type": type(err).__name__,
         "message": _tail(traceback.format_exception_only(type(err), err)),
         "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
-        "at": _now(),
+        "at": now_iso(),
     }
     try:
         write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
@@ -421,7 +418,7 @@ def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
 
 
 def _mark_started(inflight: Path, info: RankInfo) -> None:
-    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": _now()}
+    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": now_iso()}
     write_atomic(inflight / "started.json", json.dumps(marker))
 
 
@@ -440,7 +437,3 @@ def _release(device: torch.device) -> None:
 
 def _tail(lines: list[str], keep: int = 5) -> str:
     return "".join(lines[-keep:]).strip()[-2000:]
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.worker import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
-from fsdp_bench.store import ResultStore, RunResult, write_atomic
+from fsdp_bench.store import ResultStore, RunResult, now_iso, write_atomic
 
 # A job that ends without starting its next run is retried this many times before the run is
 # recorded as an error (a broken environment must not loop forever).
@@ -330,10 +329,6 @@ def _read_notes(inflight: Path) -> list[dict[str, Any]]:
         if attempt is None or note.get("attempt") == attempt:
             notes.append(note)
     return notes
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 class Ledger:

@@ -18,7 +18,7 @@ import submitit
 from submitit.core.utils import JobPaths
 
 from fsdp_bench.config.launcher import LauncherConfig
-from fsdp_bench.errors import LaunchError
+from fsdp_bench.errors import LaunchError, one_line
 from fsdp_bench.job.worker import JobSpec, run_job
 from fsdp_bench.launch.base import tail
 
@@ -75,7 +75,7 @@ class SlurmLauncher:
                 executor.update_parameters(array_parallelism=len(specs))
                 handles = executor.map_array(run_job, specs)
         except Exception as err:  # submitit raises plain exceptions with sbatch's message
-            raise LaunchError(f"sbatch refused the job: {_one_line(err)}") from None
+            raise LaunchError(f"sbatch refused the job: {one_line(err)}") from None
         return [SlurmJob(job_id=str(h.job_id), folder=self.folder) for h in handles]
 
     def executor(self, spec: JobSpec) -> submitit.SlurmExecutor:
@@ -171,7 +171,3 @@ def _run(command: list[str]) -> str:
     if done.returncode != 0:
         raise LaunchError(f"{' '.join(command[:2])} failed: {done.stderr.strip()[-500:]}")
     return done.stdout
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())[:800]

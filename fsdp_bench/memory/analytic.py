@@ -16,7 +16,6 @@ from fsdp_bench.config.presets import ModelShape
 from fsdp_bench.config.run import RunConfig, grouping_block_count
 
 GB = 10**9
-GIB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq; plain SGD keeps nothing
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from fsdp_bench import __version__
 from fsdp_bench.config.run import MemoryConfig, RunConfig
-from fsdp_bench.memory.analytic import GIB, analytic_estimate
-from fsdp_bench.store import ResultStore, write_atomic
+from fsdp_bench.memory.analytic import analytic_estimate
+from fsdp_bench.store import GIB, ResultStore, write_atomic
 
 
 @dataclass
