@@ -164,7 +164,7 @@ def eight_b_table(work: Path) -> Table:
     estimates = estimate_runs(runs, estimates_dir)
     records = {}
     for run in runs:
-        peak = estimates[run.run_id].simulated_gib
+        peak = estimates[run.run_id].estimated_peak_gib
         assert peak is not None
         fits_gpu = peak <= 40  # an A100-40GB holds 40 GB; above that the run dies
         records[run.run_id] = RunResult(

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from fsdp_bench.config.run import FSDP_ONLY_FIELDS, RunConfig
 from fsdp_bench.config.schema import field_paths, to_plain
@@ -102,6 +102,14 @@ class RunResult:
         data = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class EstimatedPeaks(NamedTuple):
+    """A run's peak memory per rank as estimated before launch (GiB), copied into its record."""
+
+    estimated_peak_gib: float | None = None
+    """The simulated estimate (what pruning trusts)."""
+    analytic_peak_gib: float | None = None
 
 
 def now_iso() -> str:

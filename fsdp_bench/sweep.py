@@ -17,7 +17,7 @@ from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.launch import ALIVE_STATES, make_launcher
+from fsdp_bench.launch import ALIVE_STATES, Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, pack_runs
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.store import ResultStore, RunResult, write_atomic
@@ -81,18 +81,12 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
         spec,
         options.verify,
         on_record=_updater(bar),
-        estimates={k: (e.simulated_gib, e.analytic_gib) for k, e in estimates.items()},
+        estimates={k: e.peaks for k, e in estimates.items()},
     )
     if options.prune:
         todo = _prune(todo, estimates, spec, store, driver)
     try:
         driver.run(launcher, watched, pack_runs(todo, spec.launcher))
-    except KeyboardInterrupt:
-        if launcher.kind == "local":  # a local job would go on timing on this machine
-            for item in watched:
-                item.job.cancel()
-                ledger.close(item.job.job_id)
-        raise
     finally:
         if bar is not None:
             bar.close()
@@ -134,7 +128,7 @@ def _prune(
     return keep
 
 
-def _reattach(ledger: Ledger, launcher: Any, by_id: dict[str, RunConfig]) -> list[Watched]:
+def _reattach(ledger: Ledger, launcher: Launcher, by_id: dict[str, RunConfig]) -> list[Watched]:
     """Jobs an earlier driver submitted and did not see end: follow them again."""
     return [
         Watched(

@@ -8,7 +8,7 @@ import pytest
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
-from fsdp_bench.launch.driver import Ledger, classify_failure, pack_runs
+from fsdp_bench.launch.driver import Ledger, Verdict, classify_failure, pack_runs
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:
@@ -17,7 +17,9 @@ def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:
 
 def test_root_cause_wins_over_its_echoes() -> None:
     notes = [note(0, "timeout", "Timed out"), note(1, "oom", "CUDA out of memory"), note(2, "peer")]
-    assert classify_failure(notes, "", "FAILED") == ("oom", "rank 1 (n2): CUDA out of memory")
+    assert classify_failure(notes, "", "FAILED") == Verdict(
+        "oom", "rank 1 (n2): CUDA out of memory"
+    )
     assert classify_failure([note(0, "peer"), note(1, "error")], "", "FAILED")[0] == "error"
     assert classify_failure([note(0, "timeout")], "", "ENDED")[0] == "timeout"
 
@@ -39,17 +41,19 @@ def test_scheduler_verdicts_explain_interrupted_ranks(state: str, status: str) -
 
 def test_a_job_the_driver_stopped_keeps_its_ranks_reason() -> None:
     notes = [note(0, "timeout", "Timed out waiting"), note(1, "interrupted")]
-    assert classify_failure(notes, "ranks were stuck", "CANCELLED") == (
+    assert classify_failure(notes, "ranks were stuck", "CANCELLED") == Verdict(
         "timeout", "rank 0 (n1): Timed out waiting"
-    )  # fmt: skip
-    assert classify_failure([], "run exceeded launcher.run_timeout_s (60 s)", "CANCELLED") == (
-        "timeout", "run exceeded launcher.run_timeout_s (60 s)"
-    )  # fmt: skip
+    )
+    assert classify_failure(
+        [], "run exceeded launcher.run_timeout_s (60 s)", "CANCELLED"
+    ) == Verdict("timeout", "run exceeded launcher.run_timeout_s (60 s)")
 
 
 def test_silent_death_is_an_error_that_says_so() -> None:
-    status, reason = classify_failure([note(0, "peer")], "", "FAILED")
-    assert status == "error" and "without a report (rank 0: peer; job state FAILED)" in reason
+    verdict = classify_failure([note(0, "peer")], "", "FAILED")
+    assert verdict.status == "error" and verdict.unexplained
+    assert "without a report (rank 0: peer; job state FAILED)" in verdict.reason
+    assert not classify_failure([note(0, "oom")], "", "FAILED").unexplained
 
 
 def test_runs_are_packed_by_shape_and_spread_over_the_slots() -> None:

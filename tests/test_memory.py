@@ -39,6 +39,16 @@ def test_sharded_terms_divide_by_the_shard_group() -> None:
     assert sixty_four["largest_unsharded_group"] == eight["largest_unsharded_group"]
 
 
+def test_the_estimate_carries_the_seed_lower_bound() -> None:
+    run = RunConfig(world_size=8, model=ModelConfig(name="llama3-8b"), fsdp=FsdpConfig(prefetch=2))
+    estimate = analytic_estimate(run)
+    t = estimate.terms
+    steady = t["sharded_parameters"] + t["sharded_gradients"] + t["optimizer_state"]
+    bound = steady + t["largest_unsharded_group"] + t["prefetch_buffer"]
+    assert estimate.lower_bound_bytes == pytest.approx(bound)
+    assert t["prefetch_buffer"] > 0 and estimate.lower_bound_bytes < estimate.peak_bytes
+
+
 def test_knobs_move_the_terms_they_should() -> None:
     base = RunConfig(
         world_size=8, model=ModelConfig(name="llama3-1b"), data=DataConfig(seq_len=2048)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bench.cli.codegen import fully_shard_code
-from fsdp_bench.config.grid import build_point, load_grid, search_space
+from fsdp_bench.config.grid import load_grid, run_for_point, search_space
 from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.models import build_model
@@ -143,9 +143,9 @@ def test_multi_objective_reports_a_pareto_front(tmp_path: Path) -> None:
     grid = {**GRID, "search": {"trials": 6, "seed": 3, "multi_objective": True}}
     grid["memory"] = {}
     spec, outcome = search(tmp_path, grid)
-    from fsdp_bench.search import pareto_front
+    from fsdp_bench.search import pareto_trials
 
-    front = pareto_front(outcome.study, ResultStore(outcome.results_dir), spec)
+    front = pareto_trials(outcome.study, ResultStore(outcome.results_dir), spec)
     assert front and all(len(t.values) == 2 for t in front)
     speeds = sorted((t.values[1], t.values[0]) for t in front)  # by memory
     assert all(b[1] > a[1] for a, b in itertools.pairwise(speeds)), speeds
@@ -169,7 +169,10 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             fsdp=FsdpConfig(grouping="linear", reshard_after_forward=False),
             train=TrainConfig(accumulation_steps=2, grad_sync="last"),
         ),
-        RunConfig(strategy="ddp", train=TrainConfig(accumulation_steps=2, grad_sync="last")),
+        RunConfig(
+            strategy="ddp",
+            train=TrainConfig(accumulation_steps=2, grad_sync="last", optimizer="sgd"),
+        ),
     ],
     ids=["block-bf16-prefetch", "blocks2-ac", "linear-tied-accumulation", "ddp"],
 )
@@ -196,6 +199,9 @@ def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
     trained: nn.Module = namespace["model"]
     assert all(p.grad is None for p in trained.parameters()), "the step ran to zero_grad"
     assert "fully_shard" in code or run.strategy == "ddp"
+    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[run.train.optimizer]
+    assert isinstance(namespace["optimizer"], optimizer)
+    assert namespace["optimizer"].param_groups[0]["lr"] == run.train.learning_rate
 
 
 def test_search_settings_are_validated(tmp_path: Path) -> None:
@@ -254,7 +260,7 @@ def record_every_point(spec: Any, store: ResultStore) -> str:
     """Synthetic records for the whole space; the run id of the fastest under 21 MiB."""
     expected, fastest = "", 0.0
     for i, values in enumerate(itertools.product(*search_space(spec).values())):
-        run = build_point(spec, dict(zip(search_space(spec), values, strict=True)))
+        run = run_for_point(spec, dict(zip(search_space(spec), values, strict=True)))
         assert run is not None
         tokens, peak = 1000.0 + 97.0 * ((i * 5) % 12), 0.015 + 0.001 * i
         store.record(RunResult(run_id=run.run_id, status="ok", config=to_plain(run),

@@ -1,7 +1,7 @@
 """The Python that reproduces a run's parallelism in a user's own training script.
 
-What `fsdp.py` does for a RunConfig, written out as the handful of torch calls it amounts to,
-for a model whose transformer blocks are `model.layers` (adjust the name to yours).
+What `job/parallelize.py` does for a RunConfig, written out as the handful of torch calls it
+amounts to, for a model whose transformer blocks are `model.layers` (adjust the name to yours).
 """
 
 from __future__ import annotations
@@ -10,16 +10,33 @@ from fsdp_bench.config.run import RunConfig, grouping_block_count
 
 
 def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
-    """Source code: mesh, policies, activation checkpointing, fully_shard calls, prefetch,
-    and the accumulation loop. It expects `model` (blocks in `model.layers`), and for the
-    step `inputs`/`targets` or `micro_batches` and `loss_fn`."""
-    lines = [
-        "import torch",
-        "from torch.distributed.device_mesh import init_device_mesh",
-    ]
+    """Source code: mesh, policies, activation checkpointing, fully_shard calls, prefetch, the
+    run's optimizer and the accumulation loop. It expects `model` (blocks in `model.layers`),
+    and for the step `inputs`/`targets` or `micro_batches` and `loss_fn`."""
+    lines = ["import torch", "from torch.distributed.device_mesh import init_device_mesh"]
     if run.strategy == "ddp":
         lines += _ddp_code(run, device)
         return "\n".join(lines) + "\n"
+    lines += _fsdp_imports(run)
+    lines += _mesh_and_options(run, device)
+    if run.fsdp.activation_checkpointing == "block":
+        lines += [
+            "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
+            "    model.layers[index] = checkpoint_wrapper(block)",
+        ]
+    lines += _grouping_code(str(run.fsdp.grouping), run.model.tie_embeddings)
+    lines.append("fully_shard(model, **options)  # the root last")
+    lines += _prefetch_code(run)
+    lines += [
+        f'model.to_empty(device="{device}")',
+        "model.init_weights()  # or reset_parameters() on each submodule",
+        _optimizer_code(run) + "  # after fully_shard: shards only",
+    ]
+    lines += _step_code(run, "model.set_requires_gradient_sync")
+    return "\n".join(lines) + "\n"
+
+
+def _fsdp_imports(run: RunConfig) -> list[str]:
     policies = [
         name
         for name, used in (
@@ -28,13 +45,18 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
         )
         if used
     ]
+    lines = []
     if run.fsdp.activation_checkpointing == "block":
         lines.append(
             "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
             "checkpoint_wrapper"
         )
-    lines += [
-        f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}",
+    return [*lines, f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}"]
+
+
+def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
+    """The device mesh and the keyword arguments every fully_shard call takes."""
+    lines = [
         "",
         f"# world size {run.world_size}: {run.nodes} node(s) x "
         f"{run.world_size // run.nodes} process(es); build the model on the meta device first",
@@ -58,30 +80,26 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
         options.append("mp_policy=mp_policy")
     if run.fsdp.cpu_offload:
         options.append("offload_policy=CPUOffloadPolicy()")
-    lines.append(f"options = dict({', '.join(options)})")
-    if run.fsdp.activation_checkpointing == "block":
-        lines += [
-            "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
-            "    model.layers[index] = checkpoint_wrapper(block)",
-        ]
-    lines += _grouping_code(str(run.fsdp.grouping), run.model.tie_embeddings)
-    lines.append("fully_shard(model, **options)  # the root last")
-    if run.fsdp.prefetch != "implicit":
-        depth = int(run.fsdp.prefetch)
-        lines += [
-            "blocks = list(model.layers)",
-            "for index, block in enumerate(blocks):",
-            f"    block.set_modules_to_forward_prefetch(blocks[index + 1 : index + {depth + 1}])",
-            f"    earlier = blocks[max(0, index - {depth}) : index]",
-            "    block.set_modules_to_backward_prefetch(earlier[::-1])",
-        ]
-    lines += [
-        f'model.to_empty(device="{device}")',
-        "model.init_weights()  # or reset_parameters() on each submodule",
-        "optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: shards only",
+    return [*lines, f"options = dict({', '.join(options)})"]
+
+
+def _prefetch_code(run: RunConfig) -> list[str]:
+    if run.fsdp.prefetch == "implicit":
+        return []
+    depth = int(run.fsdp.prefetch)
+    return [
+        "blocks = list(model.layers)",
+        "for index, block in enumerate(blocks):",
+        f"    block.set_modules_to_forward_prefetch(blocks[index + 1 : index + {depth + 1}])",
+        f"    earlier = blocks[max(0, index - {depth}) : index]",
+        "    block.set_modules_to_backward_prefetch(earlier[::-1])",
     ]
-    lines += _step_code(run, "model.set_requires_gradient_sync")
-    return "\n".join(lines) + "\n"
+
+
+def _optimizer_code(run: RunConfig) -> str:
+    """The run's optimizer and learning rate, as the worker builds them."""
+    name = {"adamw": "AdamW", "sgd": "SGD"}[run.train.optimizer]
+    return f"optimizer = torch.optim.{name}(model.parameters(), lr={run.train.learning_rate!r})"
 
 
 def _grouping_code(grouping: str, tied: bool | None) -> list[str]:
@@ -125,7 +143,7 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
         "from torch.nn.parallel import DistributedDataParallel",
         "",
         f"model = {wrap}",
-        "optimizer = torch.optim.AdamW(model.parameters())",
+        _optimizer_code(run),
     ]
     if run.fsdp.mixed_precision == "bf16":
         lines.append("# forward under torch.autocast('cuda', dtype=torch.bfloat16)")

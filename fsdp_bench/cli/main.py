@@ -39,7 +39,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_sweep_parser, _estimate_parser, _search_parser, _report_parser):
+        add(commands).add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
+    return parser
 
+
+def _sweep_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help="run every point of a grid and record the results")
     sweep.add_argument(
         "grid",
@@ -66,7 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     sweep.set_defaults(handler=_sweep)
+    return sweep
 
+
+def _estimate_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     estimate = commands.add_parser(
         "estimate", help="predicted peak memory per rank of every run, without a GPU"
     )
@@ -76,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--json", action="store_true", help="machine-readable output")
     estimate.set_defaults(handler=_estimate)
+    return estimate
 
+
+def _search_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     search = commands.add_parser(
         "search", help="optuna: the fastest configuration of a grid's axes that fits a budget"
     )
@@ -96,7 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--verify", action="store_true", help="parity check before timing")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
     search.set_defaults(handler=_search)
+    return search
 
+
+def _report_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     report = commands.add_parser(
         "report", help="figures, report.html and summary.md for a results folder"
     )
@@ -113,12 +137,7 @@ def _parser() -> argparse.ArgumentParser:
         "--storage", help="the search's optuna storage URL, if it ran with --storage"
     )
     report.set_defaults(handler=_report)
-
-    for command in (sweep, estimate, search, report):
-        command.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
-        )
-    return parser
+    return report
 
 
 def _grid_path(given: str | None) -> Path:

@@ -84,7 +84,7 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
         e = estimates[run.run_id]
         fits = (
             "?"
-            if spec.memory.budget_gib is None or e.simulated_gib is None
+            if spec.memory.budget_gib is None or e.estimated_peak_gib is None
             else ("no" if predicted_oom(e, spec.memory, extra) else "yes")
         )
         top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
@@ -92,8 +92,8 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
             [
                 run.run_id,
                 *(yaml_scalar(get_path(run, k)) for k in keys),
-                _gib(e.analytic_gib),
-                _gib(e.simulated_gib),
+                _gib(e.analytic_peak_gib),
+                _gib(e.estimated_peak_gib),
                 fits,
                 ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
             ]
@@ -118,7 +118,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
     and the Pareto front when two objectives were searched."""
     from fsdp_bench.cli.codegen import fully_shard_code
     from fsdp_bench.report.ranking import format_ranking, ranking
-    from fsdp_bench.search import best_feasible, pareto_front
+    from fsdp_bench.search import best_feasible, pareto_trials
     from fsdp_bench.store import load_results
 
     store = ResultStore(outcome.results_dir)
@@ -154,7 +154,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
     table = ranking(load_results(outcome.results_dir), finished)
     lines += [f"top {top} of {len(table)} runs:", format_ranking(table.head(top))]
     if spec.search.multi_objective:
-        front = pareto_front(outcome.study, store, spec)
+        front = pareto_trials(outcome.study, store, spec)
         front_ids = [t.user_attrs["run_id"] for t in sorted(front, key=lambda t: t.values[1])]
         lines += [
             "Pareto front (tokens vs peak memory):",

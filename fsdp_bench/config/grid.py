@@ -276,7 +276,7 @@ def expand(spec: SweepSpec) -> Expansion:
                 excluded += 1
                 continue
             points += 1
-            run = _build_point(spec, point).canonical()
+            run = _build_run(spec, point).canonical()
             runs.setdefault(run.run_id, run)
     return Expansion(runs=list(runs.values()), excluded=excluded, collapsed=points - len(runs))
 
@@ -291,12 +291,12 @@ def search_space(spec: SweepSpec) -> dict[str, tuple[Any, ...]]:
     return {key: tuple(values) for key, values in space.items()}
 
 
-def build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig | None:
+def run_for_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig | None:
     """The run of one point of the search space; None when an exclude rule drops it."""
     base_run = build(RunConfig, spec.base)
     if any(_matches(rule, point, base_run) for rule in spec.exclude):
         return None
-    return _build_point(spec, point).canonical()
+    return _build_run(spec, point).canonical()
 
 
 def axis_keys(spec: SweepSpec) -> list[str]:
@@ -312,7 +312,7 @@ def _matches(rule: dict[str, tuple[Any, ...]], point: dict[str, Any], base: RunC
     return True
 
 
-def _build_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
+def _build_run(spec: SweepSpec, point: dict[str, Any]) -> RunConfig:
     label = "{" + ", ".join(f"{k}: {show(v)}" for k, v in point.items()) + "}"
     data = _with_values(spec.base, point)
     try:

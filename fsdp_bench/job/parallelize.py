@@ -57,7 +57,7 @@ def parallelize(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
-    model, plan = shard(bundle, run, mesh, device)
+    model, plan = wrap_on_meta(bundle, run, mesh, device)
     materialize(model, device)
     init_weights(model)
     if run.strategy == "ddp":
@@ -69,7 +69,7 @@ def parallelize(
     return model, plan
 
 
-def shard(
+def wrap_on_meta(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Activation checkpointing and fully_shard, still on the meta device (no memory yet)."""
@@ -80,7 +80,7 @@ def shard(
         case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
             plan = plan_groups(bundle, str(run.fsdp.grouping))
             _measure_groups(plan, model, run.fsdp, run.shard_group_size)
-            _shard(plan, model, run.fsdp, mesh, device)
+            _fully_shard_groups(plan, model, run.fsdp, mesh, device)
         case "ddp":
             plan = ShardPlan([_root_group(model)])
             _measure_groups(plan, model, run.fsdp, 1)
@@ -192,7 +192,7 @@ def _padded_numel(param: torch.Tensor, shard_size: int) -> int:
     return rows * (param.numel() // max(param.shape[0], 1))
 
 
-def _shard(
+def _fully_shard_groups(
     plan: ShardPlan, model: nn.Module, cfg: FsdpConfig, mesh: DeviceMesh, device: torch.device
 ) -> None:
     reshard = None if cfg.reshard_after_forward == "default" else cfg.reshard_after_forward

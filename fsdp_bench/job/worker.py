@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -27,19 +26,18 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_bench import __version__
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.measure import peak_flops, profile_step, summarize_times
+from fsdp_bench.job.measure import measure_steps, profile_step
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import check_parity
+from fsdp_bench.job.record import RankOutcome, RunContext, gather_result
 from fsdp_bench.job.rendezvous import (
     RankInfo,
     barrier_and_destroy,
@@ -49,7 +47,7 @@ from fsdp_bench.job.rendezvous import (
     rank_info,
 )
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
-from fsdp_bench.store import GIB, ResultStore, RunResult, now_iso, write_atomic
+from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso, write_atomic
 
 
 @dataclass(frozen=True)
@@ -62,29 +60,8 @@ class JobSpec:
     cpu_threads_per_rank: int | None = None
     collective_timeout_s: float = 300.0
     verify: bool = False
-    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
-    """run_id -> (simulated, analytic) estimated peak GiB, copied into each record."""
-
-
-@dataclass
-class RankOutcome:
-    """One rank's measurements of one run, gathered on rank 0 to make the record."""
-
-    hostname: str
-    step_times_s: list[float]
-    tracked_peak_bytes: int
-    breakdown_bytes: dict[str, int]
-    counts: dict[str, int]
-    """CollectiveCounts as a dict."""
-    largest_group_bytes: int
-    num_groups: int
-    num_params: int
-    flops_per_token: float | None
-    setup_s: float
-    warmup_s: float
-    cuda_peak_allocated: int | None = None
-    cuda_peak_reserved: int | None = None
-    parity: dict[str, Any] | None = None
+    estimates: dict[str, EstimatedPeaks] = field(default_factory=dict)
+    """run_id -> the peaks estimated before launch, copied into each record."""
 
 
 @dataclass
@@ -93,7 +70,6 @@ class JobContext:
     device: torch.device
     store: ResultStore
     verify: bool
-    estimates: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
@@ -135,9 +111,7 @@ def run_job(job: JobSpec) -> list[str]:
     # What exists now lives for the whole job; later collections only scan what runs create,
     # which makes the collection between runs ~10x cheaper.
     gc.freeze()
-    context = JobContext(
-        info=info, device=device, store=store, verify=job.verify, estimates=job.estimates
-    )
+    context = JobContext(info=info, device=device, store=store, verify=job.verify)
     recorded = []
     for run in job.runs:
         if _already_recorded(run, context):
@@ -152,7 +126,14 @@ def run_job(job: JobSpec) -> list[str]:
             outcome = execute_run(run, context)
         except BaseException as err:
             _fail(inflight, info, err)
-        result = _gather_result(run, context, outcome, started_at, time.perf_counter() - start)
+        where = RunContext(
+            device=device,
+            info=info,
+            started_at=started_at,
+            wall_s=time.perf_counter() - start,
+            peaks=job.estimates.get(run.run_id, EstimatedPeaks()),
+        )
+        result = gather_result(run, outcome, where)
         if result is not None:
             store.record(result)
             _remove(inflight)
@@ -189,35 +170,16 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     setup_s = time.perf_counter() - start
 
     _inject_fault(run, rank, device)
-    # The profiled step is untimed: the last warm-up step when there are enough before it,
-    # otherwise after the timed steps. Steps before it: one for the optimizer state to exist;
-    # two under DDP, which reallocates its gradient buckets in the second.
-    settled = 2 if run.strategy == "ddp" else 1
-    profile_first = run.measure.warmup_steps > settled
-    warmup_start = time.perf_counter()
-    for _ in range(run.measure.warmup_steps - profile_first):
-        step()
-    _synchronize(device)
-    warmup_s = time.perf_counter() - warmup_start
-    profile = profile_step(model, optimizer, batches, run) if profile_first else None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
-
-    cuda_peaks = _cuda_peaks(device)
-    if profile is None:
-        steps_taken = run.measure.warmup_steps + run.measure.repeats * run.measure.timed_steps
-        for _ in range(settled - steps_taken):
-            step()
-        profile = profile_step(model, optimizer, batches, run)
-
-    outcome = RankOutcome(
+    measured = measure_steps(
+        step, lambda: profile_step(model, optimizer, batches, run), run, device
+    )
+    memory = measured.profile.memory
+    return RankOutcome(
         hostname=hostname(),
-        step_times_s=step_times,
-        tracked_peak_bytes=profile.memory.peak_bytes,
-        breakdown_bytes=profile.memory.breakdown_bytes,
-        counts=asdict(profile.counts),
+        step_times_s=measured.step_times_s,
+        tracked_peak_bytes=memory.peak_bytes,
+        breakdown_bytes=memory.breakdown_bytes,
+        counts=asdict(measured.profile.counts),
         largest_group_bytes=plan.largest_group_bytes,
         num_groups=plan.num_groups,
         num_params=sum(g.num_params for g in plan.groups),
@@ -225,130 +187,11 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         if bundle.flops_per_token
         else None,
         setup_s=setup_s,
-        warmup_s=warmup_s,
-        cuda_peak_allocated=cuda_peaks[0],
-        cuda_peak_reserved=cuda_peaks[1],
+        warmup_s=measured.warmup_s,
+        cuda_peak_allocated_bytes=measured.cuda_peak_allocated_bytes,
+        cuda_peak_reserved_bytes=measured.cuda_peak_reserved_bytes,
         parity=parity,
     )
-    return outcome
-
-
-def _cuda_peaks(device: torch.device) -> tuple[int | None, int | None]:
-    """(max allocated, max reserved) bytes since the last reset; None off CUDA."""
-    if device.type != "cuda":
-        return None, None
-    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-
-
-def time_steps(step: Any, repeats: int, steps: int, device: torch.device) -> list[float]:
-    """Seconds per optimizer step for each repeat; ranks start each repeat together."""
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        dist.barrier()
-        begin = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _synchronize(device)
-        times.append((time.perf_counter() - begin) / steps)
-    return times
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _gather_result(
-    run: RunConfig, context: JobContext, outcome: RankOutcome, started_at: str, wall_s: float
-) -> RunResult | None:
-    """All ranks send their outcome to rank 0, which builds the record (others get None)."""
-    info = context.info
-    outcomes: list[RankOutcome | None] = [None] * info.world_size
-    dist.all_gather_object(outcomes, outcome)
-    if info.rank != 0:
-        return None
-    ranks = [o for o in outcomes if o is not None]
-    per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(run.measure.repeats)]
-    times = summarize_times(per_repeat)
-    tokens_per_s = run.tokens_per_step / times.median_s
-    first = ranks[0]
-    counts = first.counts
-    flops_per_token = first.flops_per_token
-    tracked = max(o.tracked_peak_bytes for o in ranks)
-    worst = max(ranks, key=lambda o: o.tracked_peak_bytes)
-    on_cuda = context.device.type == "cuda"
-    peak = max(o.cuda_peak_allocated or 0 for o in ranks) if on_cuda else tracked
-    device_name = _device_name(context.device)
-    peak_flop_s = peak_flops(device_name, run.fsdp.mixed_precision) if on_cuda else None
-    mfu = None
-    if peak_flop_s and flops_per_token:
-        mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
-    parity = first.parity
-    estimated, analytic = context.estimates.get(run.run_id, (None, None))
-    return RunResult(
-        run_id=run.run_id,
-        status="ok",
-        config=to_plain(run),
-        tokens_per_s=tokens_per_s,
-        tokens_per_s_per_rank=tokens_per_s / run.world_size,
-        step_time_s=times.median_s,
-        step_time_min_s=times.min_s,
-        step_time_max_s=times.max_s,
-        step_time_spread_pct=times.spread_pct,
-        step_times_s=per_repeat,
-        mfu=mfu,
-        flops_per_token=flops_per_token,
-        peak_memory_gib=peak / GIB,
-        peak_reserved_gib=max(o.cuda_peak_reserved or 0 for o in ranks) / GIB if on_cuda else None,
-        tracked_peak_gib=tracked / GIB,
-        memory_breakdown_gib={k: v / GIB for k, v in worst.breakdown_bytes.items()},
-        peak_memory_source="cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
-        estimated_peak_gib=estimated,
-        analytic_peak_gib=analytic,
-        all_gathers_per_step=counts["all_gathers"],
-        all_gather_bytes_per_step=counts["all_gather_bytes"],
-        reduce_scatters_per_step=counts["reduce_scatters"],
-        reduce_scatter_bytes_per_step=counts["reduce_scatter_bytes"],
-        all_reduces_per_step=counts["all_reduces"],
-        all_reduce_bytes_per_step=counts["all_reduce_bytes"],
-        all_gathers_before_compute=counts["all_gathers_before_compute"],
-        largest_group_bytes=first.largest_group_bytes,
-        num_groups=first.num_groups,
-        num_params=first.num_params,
-        parity_ok=parity["ok"] if parity else None,
-        parity_grad_max_abs_diff=parity["grad_max_abs_diff"] if parity else None,
-        parity_param_max_abs_diff=parity["param_max_abs_diff"] if parity else None,
-        reason=parity["detail"] if parity and not parity["ok"] else "",
-        setup_s=max(o.setup_s for o in ranks),
-        warmup_s=max(o.warmup_s for o in ranks),
-        timed_s=sum(per_repeat) * run.measure.timed_steps,
-        wall_s=wall_s,
-        provenance=provenance(context, ranks, started_at),
-    )
-
-
-def provenance(context: JobContext, ranks: list[RankOutcome], started_at: str) -> dict[str, Any]:
-    return {
-        "hostnames": sorted({o.hostname for o in ranks}),
-        "device": context.device.type,
-        "device_name": _device_name(context.device),
-        "backend": dist.get_backend(),
-        "num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "fsdp_bench_version": __version__,
-        "python_version": platform.python_version(),
-        "job_id": context.info.job_id,
-        "attempt": context.info.attempt,
-        "started_at": started_at,
-        "finished_at": now_iso(),
-    }
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 def _already_recorded(run: RunConfig, context: JobContext) -> bool:
@@ -396,7 +239,7 @@ def classify(err: BaseException) -> str:
     return "error"
 
 
-def _fail(inflight: Path, info: RankInfo, err: BaseException) -> None:
+def _fail(inflight: Path, info: RankInfo, err: BaseException) -> NoReturn:
     """Leave a note for the driver and end this process (see the module docstring)."""
     note = {
         "rank": info.rank,

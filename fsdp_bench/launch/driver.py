@@ -17,14 +17,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsdp_bench.config.grid import SweepSpec
+from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.worker import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
-from fsdp_bench.store import ResultStore, RunResult, now_iso, write_atomic
+from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
 
 # A job that ends without starting its next run is retried this many times before the run is
 # recorded as an error (a broken environment must not loop forever).
@@ -74,7 +75,7 @@ class Driver:
         spec: SweepSpec,
         verify: bool,
         on_record: Callable[[RunResult], None] | None = None,
-        estimates: dict[str, tuple[float | None, float | None]] | None = None,
+        estimates: dict[str, EstimatedPeaks] | None = None,
     ) -> None:
         self.store = store
         self.ledger = ledger
@@ -97,7 +98,25 @@ class Driver:
         """Until every pack has run: fill free slots, poll, reconcile jobs that ended.
 
         `supply(free_slots)` hands out more packs as slots free up (a search asks its sampler
-        then), [] for none yet, None once it never will again."""
+        then), [] for none yet, None once it never will again. On Ctrl-C, local jobs are
+        cancelled (they would go on timing on this machine); cluster jobs go on, and the same
+        command collects them later."""
+        try:
+            self._follow(launcher, watched, packs, supply)
+        except KeyboardInterrupt:
+            if launcher.kind == "local":
+                for item in watched:
+                    item.job.cancel()
+                    self.ledger.close(item.job.job_id)
+            raise
+
+    def _follow(
+        self,
+        launcher: Launcher,
+        watched: list[Watched],
+        packs: list[list[RunConfig]],
+        supply: Callable[[int], list[list[RunConfig]] | None] | None,
+    ) -> None:
         poll_s = self.spec.launcher.poll_s
         exhausted = supply is None
         while watched or packs or not exhausted:
@@ -216,13 +235,13 @@ class Driver:
                 remaining.append(run)
                 continue
             progressed = True
-            status, reason = classify_failure(_read_notes(inflight), item.cancel_reason, state)
+            verdict = classify_failure(_read_notes(inflight), item.cancel_reason, state)
             limit = self.spec.launcher.requeue_limit
-            if status in REQUEUED_STATUSES and self.interruptions[run.run_id] < limit:
+            if verdict.status in REQUEUED_STATUSES and self.interruptions[run.run_id] < limit:
                 self.interruptions[run.run_id] += 1
                 remaining.append(run)
             else:
-                self._record_failure(run, status, reason, item.job, state)
+                self._record_failure(run, verdict, item.job, state)
             shutil.rmtree(inflight, ignore_errors=True)
         if not progressed:  # the job died before its first run: count it against the runs
             for run in remaining:
@@ -233,38 +252,39 @@ class Driver:
                     f"(last job {item.job.job_id}, {state}); log tail:\n{item.job.log_tail(0)}"
                 )
                 for run in remaining:
-                    self._record_failure(run, "error", reason, item.job, state)
+                    self._record_failure(run, Verdict("error", reason), item.job, state)
                 remaining = []
         return pack_runs(remaining, self.spec.launcher)
 
     def _record_failure(
-        self, run: RunConfig, status: str, reason: str, job: SubmittedJob, state: str
+        self, run: RunConfig, verdict: Verdict, job: SubmittedJob, state: str
     ) -> None:
-        if "without a report" in reason:
+        reason = verdict.reason
+        if verdict.unexplained:  # the logs are all there is to go on
             reason += "\n" + "\n".join(
                 f"rank {r} log tail:\n{job.log_tail(r, 8)}" for r in range(run.world_size)
             )
-        self.record_unlaunched(run, status, reason, {"job_id": job.job_id, "job_state": state})
+        self.record_unlaunched(
+            run, verdict.status, reason, {"job_id": job.job_id, "job_state": state}
+        )
 
     def record_unlaunched(
         self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]
     ) -> None:
         """A record the driver writes itself: a failure, or a run it did not launch."""
-        simulated, analytic = self.estimates.get(run.run_id, (None, None))
         result = RunResult(
             run_id=run.run_id,
             status=status,  # type: ignore[arg-type]
             config=to_plain(run),
             reason=reason,
-            estimated_peak_gib=simulated,
-            analytic_peak_gib=analytic,
+            **self.estimates.get(run.run_id, EstimatedPeaks())._asdict(),
             provenance={**provenance, "finished_at": now_iso()},
         )
         self.store.record(result)
         self.announce(result)
 
 
-def pack_runs(runs: list[RunConfig], launcher: Any) -> list[list[RunConfig]]:
+def pack_runs(runs: list[RunConfig], launcher: LauncherConfig) -> list[list[RunConfig]]:
     """Runs of one shape (world size, nodes) share jobs, in first-appearance order.
 
     With launcher.max_runs_per_job unset, each shape's runs are spread evenly over the jobs
@@ -284,9 +304,16 @@ def _shape(runs: list[RunConfig]) -> tuple[int, int]:
     return runs[0].world_size, runs[0].nodes
 
 
-def classify_failure(
-    notes: list[dict[str, Any]], cancel_reason: str, state: str
-) -> tuple[str, str]:
+class Verdict(NamedTuple):
+    """A failed run's status and reason."""
+
+    status: str
+    reason: str
+    unexplained: bool = False
+    """No rank said why: the reason is only what was seen, and the logs should be added."""
+
+
+def classify_failure(notes: list[dict[str, Any]], cancel_reason: str, state: str) -> Verdict:
     """The run's status and reason; the root cause wins over its echoes.
 
     A rank's OOM or error makes its peers fail too (timeouts, closed connections): those are
@@ -296,22 +323,24 @@ def classify_failure(
     """
     by_rank = sorted(notes, key=lambda n: n["rank"])
 
-    def root_cause() -> tuple[str, str] | None:
+    def root_cause() -> Verdict | None:
         for wanted in ("oom", "error", "timeout"):
             for note in by_rank:
                 if note["class"] == wanted:
-                    return wanted, f"rank {note['rank']} ({note['hostname']}): {note['message']}"
+                    where = f"rank {note['rank']} ({note['hostname']})"
+                    return Verdict(wanted, f"{where}: {note['message']}")
         return None
 
     if cancel_reason:
-        return root_cause() or ("timeout", cancel_reason)
+        return root_cause() or Verdict("timeout", cancel_reason)
     if state in SCHEDULER_VERDICTS:
-        return SCHEDULER_VERDICTS[state]
+        return Verdict(*SCHEDULER_VERDICTS[state])
     cause = root_cause()
     if cause:
         return cause
     seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in by_rank) or "no rank reported"
-    return "error", f"a rank ended without a report ({seen}; job state {state})"
+    reason = f"a rank ended without a report ({seen}; job state {state})"
+    return Verdict("error", reason, unexplained=True)
 
 
 def _read_notes(inflight: Path) -> list[dict[str, Any]]:

@@ -35,6 +35,9 @@ class AnalyticEstimate:
     """Peak bytes per rank as a sum of named terms (each printed by `fsdp-bench estimate`)."""
 
     terms: dict[str, float] = field(default_factory=dict)
+    lower_bound_bytes: float = 0.0
+    """The seed's bound before activations and temporaries: steady state + the largest
+    unsharded group + the prefetch buffer."""
 
     @property
     def peak_bytes(self) -> float:
@@ -47,13 +50,15 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     shard = 1 if run.strategy == "ddp" else run.shard_group_size
     compute_bytes = 2 if run.fsdp.mixed_precision == "bf16" else 4
     params = _parameter_shapes(shape)
-    sharded = sum(_padded(rows, cols, shard) for rows, cols in params) / shard
+    padded = sum(_padded(rows, cols, shard) for rows, cols in params)  # FSDP2 pads dim 0
+    sharded = padded / shard
     optimizer = OPTIMIZER_BYTES[run.train.optimizer]
     terms = {
         "sharded_parameters": sharded * 4,
         "sharded_gradients": sharded * 4,
         "optimizer_state": sharded * optimizer,
     }
+    steady = steady_state_bytes(padded * 4, padded * 4, padded * optimizer, shard)
     if run.strategy == "ddp":
         terms["ddp_gradient_buckets"] = sharded * 4  # flat copies of the gradients
     else:
@@ -62,7 +67,8 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     tokens = run.data.micro_batch_size * run.data.seq_len
     # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
     terms["temporaries"] = tokens * shape.vocab_size * (compute_bytes + 4 + 4)
-    return AnalyticEstimate(terms)
+    largest, prefetch = terms.get("largest_unsharded_group", 0), terms.get("prefetch_buffer", 0)
+    return AnalyticEstimate(terms, peak_lower_bound(steady, largest, prefetch))
 
 
 def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 from fsdp_bench import __version__
 from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
-from fsdp_bench.store import GIB, ResultStore, write_atomic
+from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
 
 @dataclass
@@ -28,15 +28,22 @@ class RunEstimate:
     """Predicted peak tensor memory of one rank (GiB), by both estimators."""
 
     run_id: str
-    simulated_gib: float | None
+    estimated_peak_gib: float | None
+    """The simulated estimate: the worker's own step on fake tensors."""
     breakdown_gib: dict[str, float] = field(default_factory=dict)
     method: str = ""
-    analytic_gib: float | None = None
+    analytic_peak_gib: float | None = None
     analytic_terms_gib: dict[str, float] = field(default_factory=dict)
+    analytic_lower_bound_gib: float | None = None
+    """The seed's bound before activations: steady state + largest group + prefetch."""
     wall_s: float = 0.0
     error: str = ""
     """Why the simulation failed (the run is then neither pruned nor compared)."""
     version: str = __version__
+
+    @property
+    def peaks(self) -> EstimatedPeaks:
+        return EstimatedPeaks(self.estimated_peak_gib, self.analytic_peak_gib)
 
 
 def estimate_run(run: RunConfig) -> RunEstimate:
@@ -46,16 +53,17 @@ def estimate_run(run: RunConfig) -> RunEstimate:
     analytic = analytic_estimate(run) if not run.model.is_user_model else None
     estimate = RunEstimate(
         run_id=run.run_id,
-        simulated_gib=None,
-        analytic_gib=analytic.peak_bytes / GIB if analytic else None,
+        estimated_peak_gib=None,
+        analytic_peak_gib=analytic.peak_bytes / GIB if analytic else None,
         analytic_terms_gib={k: v / GIB for k, v in analytic.terms.items()} if analytic else {},
+        analytic_lower_bound_gib=analytic.lower_bound_bytes / GIB if analytic else None,
     )
     try:
         simulated = simulate(run)
     except Exception as err:  # an estimate that fails is reported, not fatal
         estimate.error = "".join(traceback.format_exception_only(type(err), err)).strip()
         return estimate
-    estimate.simulated_gib = simulated.peak_bytes / GIB
+    estimate.estimated_peak_gib = simulated.peak_bytes / GIB
     estimate.breakdown_gib = {k: v / GIB for k, v in simulated.breakdown_bytes.items()}
     estimate.method = simulated.method
     estimate.wall_s = simulated.wall_s
@@ -109,7 +117,10 @@ def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:
         return None
     if data.get("version") != __version__:  # the estimator may have changed
         return None
-    return RunEstimate(**data)
+    try:
+        return RunEstimate(**data)
+    except TypeError:  # written by a version whose fields differ: estimate again
+        return None
 
 
 @dataclass(frozen=True)
@@ -138,12 +149,12 @@ def overhead(memory: MemoryConfig, store: ResultStore | None) -> Overhead:
 
 def predicted_oom(estimate: RunEstimate, memory: MemoryConfig, extra: Overhead) -> str:
     """Why the run cannot fit the budget, or '' when it fits (or cannot be judged)."""
-    if memory.budget_gib is None or estimate.simulated_gib is None:
+    if memory.budget_gib is None or estimate.estimated_peak_gib is None:
         return ""
-    total = estimate.simulated_gib + extra.gib
+    total = estimate.estimated_peak_gib + extra.gib
     if total + memory.margin_gib <= memory.budget_gib:
         return ""
     return (
-        f"predicted_oom: estimate {estimate.simulated_gib:.2f} GiB + overhead {extra.gib:.2f} "
+        f"predicted_oom: estimate {estimate.estimated_peak_gib:.2f} GiB + overhead {extra.gib:.2f} "
         f"+ margin {memory.margin_gib:.2f} > budget {memory.budget_gib:.2f} GiB per rank"
     )

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport, add_ddp_buckets, profile_step
 from fsdp_bench.job.models import build_model, init_weights
-from fsdp_bench.job.parallelize import materialize, shard
+from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 
@@ -130,7 +130,7 @@ def simulate_step(run: RunConfig) -> MemoryReport:
         device = torch.device("cpu")
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model)
-        model, _ = shard(bundle, run, mesh, device)
+        model, _ = wrap_on_meta(bundle, run, mesh, device)
         with fake_tensors():
             materialize(model, device)
             init_weights(model)
@@ -147,7 +147,7 @@ def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
     """Module peaks under names that mean the same moment whatever the block count: the first
     and the last block (the middle ones lie between them), and the modules outside blocks."""
     moments = {}
-    for key, value in report.module_peaks.items():
+    for key, value in report.module_peak_bytes.items():
         match = re.search(r"\.layers\.(\d+)(?=[. ])", key)
         if match:
             index = int(match.group(1))

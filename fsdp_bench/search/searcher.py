@@ -18,7 +18,6 @@ for free, and after a few such repeats in a row the next trial is an unvisited p
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import random
 from collections import Counter
@@ -28,17 +27,25 @@ from typing import Any
 
 import optuna
 
-from fsdp_bench.config.grid import SweepSpec, build_point, search_space
-from fsdp_bench.config.run import MemoryConfig, RunConfig, SearchConfig
+from fsdp_bench.config.grid import SweepSpec, run_for_point, search_space
+from fsdp_bench.config.run import RunConfig, SearchConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
-from fsdp_bench.memory.estimate import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
-from fsdp_bench.store import ResultStore, RunResult
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.search.samplers import make_sampler
+from fsdp_bench.search.trials import (
+    INFEASIBLE_STATUSES,
+    PointKey,
+    best_feasible,
+    constraint_value,
+    counted_trials,
+    point_key,
+)
+from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 from fsdp_bench.study_storage import JOURNAL, storage_for
 from fsdp_bench.sweep import results_dir_for, save_grid
 
-INFEASIBLE_STATUSES = ("oom", "skipped")
 REPEATS_BEFORE_EXPLORING = 3
 """Known points proposed in a row before the next trial is an unvisited point instead."""
 MAX_REPEATS_PER_TRIAL = 20
@@ -92,15 +99,9 @@ def run_search(
     searcher.driver = driver
     watched = searcher.recover(ledger, launcher)
     for item in watched:
-        driver.estimates.update(searcher.estimate_pairs(item.runs))
+        driver.estimates.update(searcher.estimated_peaks(item.runs))
     try:
         driver.run(launcher, watched, [], supply=searcher.supply)
-    except KeyboardInterrupt:
-        if launcher.kind == "local":
-            for item in watched:
-                item.job.cancel()
-                ledger.close(item.job.job_id)
-        raise
     finally:
         searcher.close()
     where = options.storage or str(store.root / JOURNAL)
@@ -120,59 +121,6 @@ def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> 
         directions=directions,
         load_if_exists=True,
     )
-
-
-def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
-    """Constraint-aware samplers read each trial's `memory` constraint (set when told)."""
-    settings = spec.search
-    match settings.sampler:
-        case "tpe":
-            return optuna.samplers.TPESampler(
-                seed=settings.seed,
-                multivariate=True,
-                n_startup_trials=startup_trials(spec),
-            )
-        case "random":
-            return optuna.samplers.RandomSampler(seed=settings.seed)
-        case "grid":
-            space = {k: list(v) for k, v in search_space(spec).items()}
-            return AskTellGridSampler(space, seed=settings.seed)
-        case "gp":
-            if settings.multi_objective:
-                raise ConfigError("search.sampler: 'gp' is single-objective; use tpe or random")
-            if importlib.util.find_spec("scipy") is None:
-                raise ConfigError(
-                    "search.sampler: 'gp' needs scipy: pip install 'fsdp-bench[gp]' (or use tpe)"
-                )
-            return optuna.samplers.GPSampler(seed=settings.seed)
-        case other:
-            raise ConfigError(f"search.sampler: {other!r} is not supported")
-
-
-class AskTellGridSampler(optuna.samplers.GridSampler):
-    """optuna's grid order without its `study.stop()` once the grid is covered, which only
-    works inside `study.optimize`; the search stops at its own budget."""
-
-    def after_trial(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def startup_trials(spec: SweepSpec) -> int:
-    """Random trials before TPE models the space: few, since a grid's space is small and
-    every trial is a real run (3 below 64 points, 10 from 160)."""
-    points = math.prod(len(values) for values in search_space(spec).values())
-    return max(3, min(10, min(points, spec.search.trials) // 16))
-
-
-def constraint_value(result: RunResult, memory: MemoryConfig, extra: Overhead) -> float:
-    """Peak + overhead + margin - budget, in GiB: > 0 means it did not, or would not, fit."""
-    if memory.budget_gib is None:
-        return 1.0 if result.status == "oom" else 0.0
-    peak = result.peak_memory_gib if result.status == "ok" else result.estimated_peak_gib
-    if peak is None:  # an OOM whose size nobody knows: at the budget, just over
-        return 1e-3
-    value = peak + extra.gib + memory.margin_gib - memory.budget_gib
-    return max(value, 1e-3) if result.status in INFEASIBLE_STATUSES else value
 
 
 class Searcher:
@@ -197,6 +145,8 @@ class Searcher:
         """Runs in jobs an earlier driver submitted: a trial asking for one waits for it."""
         self.counts: Counter[str] = Counter()
         self.repeats_in_a_row = 0
+        found = best_feasible(study, store, spec)  # from earlier sessions; then kept as told
+        self.best_value: float | None = found[1] if found else None
         self.bar: Any = None
         if options.progress:
             from tqdm import tqdm
@@ -236,7 +186,7 @@ class Searcher:
         point = {k: trial.suggest_categorical(k, list(v)) for k, v in self.space.items()}
         self.repeats_in_a_row = self.repeats_in_a_row + 1 if point_key(point) in visited else 0
         try:
-            run = build_point(self.spec, point)
+            run = run_for_point(self.spec, point)
         except FieldError as err:
             self._fail(trial, "excluded", f"not a valid run: {err}")
             return None
@@ -256,7 +206,7 @@ class Searcher:
         estimate = self._estimate(run)
         reason = predicted_oom(estimate, self.spec.memory, self.extra) if self.options.prune else ""
         assert self.driver is not None
-        self.driver.estimates[run.run_id] = (estimate.simulated_gib, estimate.analytic_gib)
+        self.driver.estimates[run.run_id] = estimate.peaks
         if reason:
             self.counts["pruned"] += 1
             self.driver.record_unlaunched(run, "skipped", reason, {"trial": trial.number})
@@ -277,9 +227,9 @@ class Searcher:
     def _estimate(self, run: RunConfig) -> RunEstimate:
         return estimate_runs([run], self.store.root / "estimates")[run.run_id]
 
-    def estimate_pairs(self, runs: list[RunConfig]) -> dict[str, tuple[float | None, float | None]]:
+    def estimated_peaks(self, runs: list[RunConfig]) -> dict[str, EstimatedPeaks]:
         found = estimate_runs(runs, self.store.root / "estimates")
-        return {k: (e.simulated_gib, e.analytic_gib) for k, e in found.items()}
+        return {k: e.peaks for k, e in found.items()}
 
     # telling
 
@@ -300,7 +250,15 @@ class Searcher:
             self.counts["infeasible"] += 1  # measured: an OOM, or a peak over the budget
         trial.set_constraint("memory", constraint)
         self.study.tell(trial, values)
+        if result.status == "ok" and constraint <= 0:
+            self._note_feasible(values[0])
         self._advance()
+
+    def _note_feasible(self, value: float) -> None:
+        maximize = self.settings.direction == "maximize"
+        best = self.best_value
+        if best is None or (value > best if maximize else value < best):
+            self.best_value = value
 
     def _fail(self, trial: optuna.trial.Trial, kind: str, reason: str) -> None:
         self.counts[kind] += 1
@@ -315,13 +273,12 @@ class Searcher:
 
     def _postfix(self) -> str:
         counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-        best = best_feasible(self.study, self.store, self.spec)
-        shown = f" | best {best[1]:,.4g}" if best else ""
+        shown = f" | best {self.best_value:,.4g}" if self.best_value is not None else ""
         return f"{counts} in flight={sum(map(len, self.pending.values()))}{shown}"
 
     # restart
 
-    def recover(self, ledger: Ledger, launcher: Any) -> list[Watched]:
+    def recover(self, ledger: Ledger, launcher: Launcher) -> list[Watched]:
         """After a restart: trials the earlier driver left running are asked again (their
         first asking is set aside, never counted twice); their runs, if still in a job, are
         followed there rather than launched again."""
@@ -342,7 +299,7 @@ class Searcher:
         """The configuration of a run the ledger names (from the trial that asked for it)."""
         for trial in self.study.get_trials(deepcopy=False):
             if trial.user_attrs.get("run_id") == run_id:
-                return build_point(self.spec, dict(trial.params))
+                return run_for_point(self.spec, dict(trial.params))
         return None
 
     def _asked(self) -> int:
@@ -362,70 +319,3 @@ class Searcher:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-PointKey = tuple[tuple[str, str], ...]
-
-
-def point_key(params: dict[str, Any]) -> PointKey:
-    return tuple(sorted((k, repr(v)) for k, v in params.items()))
-
-
-def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that count against the budget: the first asking of each point. A sampler
-    proposing a point again is answered from the store for free, and a trial abandoned by a
-    killed driver is asked again, so neither counts."""
-    abandoned = set(study.user_attrs.get("abandoned_trials", []))
-    seen: set[PointKey] = set()
-    counted = []
-    for trial in study.get_trials(deepcopy=False):
-        point = point_key(trial.params)
-        if trial.number in abandoned or point in seen:
-            continue
-        seen.add(point)
-        counted.append(trial)
-    return counted
-
-
-def best_feasible(
-    study: optuna.Study, store: ResultStore, spec: SweepSpec
-) -> tuple[optuna.trial.FrozenTrial, float] | None:
-    """The best trial whose run ran and fits (optuna's best_trial ignores constraints)."""
-    maximize = spec.search.direction == "maximize"
-    extra = overhead(spec.memory, store)
-    best: tuple[optuna.trial.FrozenTrial, float] | None = None
-    for trial, result in _completed(study, store):
-        if result.status != "ok" or constraint_value(result, spec.memory, extra) > 0:
-            continue
-        value = trial.values[0]
-        if best is None or (value > best[1] if maximize else value < best[1]):
-            best = (trial, value)
-    return best
-
-
-def _completed(
-    study: optuna.Study, store: ResultStore
-) -> list[tuple[optuna.trial.FrozenTrial, RunResult]]:
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    pairs = [(t, store.get(str(t.user_attrs.get("run_id")))) for t in done]
-    return [(t, r) for t, r in pairs if r is not None]
-
-
-def pareto_front(
-    study: optuna.Study, store: ResultStore, spec: SweepSpec
-) -> list[optuna.trial.FrozenTrial]:
-    """Feasible trials that no other feasible trial beats on both objectives."""
-    extra = overhead(spec.memory, store)
-    feasible = [
-        t
-        for t, r in _completed(study, store)
-        if r.status == "ok" and constraint_value(r, spec.memory, extra) <= 0 and len(t.values) == 2
-    ]
-    signs = [1 if d == optuna.study.StudyDirection.MAXIMIZE else -1 for d in study.directions]
-
-    def dominates(a: optuna.trial.FrozenTrial, b: optuna.trial.FrozenTrial) -> bool:
-        pairs = [(s * x, s * y) for s, x, y in zip(signs, a.values, b.values, strict=True)]
-        return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
-
-    unique = {t.user_attrs["run_id"]: t for t in feasible}.values()
-    return [t for t in unique if not any(dominates(o, t) for o in unique if o is not t)]

@@ -1,0 +1,177 @@
+"""One run's record from every rank's measurements: rank 0 gathers them and writes the record.
+
+Step time is the slowest rank's per repeat (a step ends when the last rank ends it); memory is
+the largest rank's; collectives and group sizes are rank 0's (all ranks issue the same).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_bench import __version__
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.job.measure import peak_flops, summarize_times
+from fsdp_bench.job.rendezvous import RankInfo
+from fsdp_bench.store import GIB, EstimatedPeaks, RunResult, now_iso
+
+
+@dataclass
+class RankOutcome:
+    """One rank's measurements of one run, gathered on rank 0 to make the record."""
+
+    hostname: str
+    step_times_s: list[float]
+    tracked_peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    counts: dict[str, int]
+    """CollectiveCounts as a dict."""
+    largest_group_bytes: int
+    num_groups: int
+    num_params: int
+    flops_per_token: float | None
+    setup_s: float
+    warmup_s: float
+    cuda_peak_allocated_bytes: int | None = None
+    cuda_peak_reserved_bytes: int | None = None
+    parity: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the record says about where and when the run happened."""
+
+    device: torch.device
+    info: RankInfo
+    started_at: str
+    wall_s: float
+    peaks: EstimatedPeaks
+
+
+def gather_result(run: RunConfig, outcome: RankOutcome, where: RunContext) -> RunResult | None:
+    """All ranks send their outcome to rank 0, which builds the record (others get None)."""
+    outcomes: list[RankOutcome | None] = [None] * where.info.world_size
+    dist.all_gather_object(outcomes, outcome)
+    if where.info.rank != 0:
+        return None
+    ranks = [o for o in outcomes if o is not None]
+    return build_result(run, ranks, where, provenance(where, ranks))
+
+
+def build_result(
+    run: RunConfig, ranks: list[RankOutcome], where: RunContext, about: dict[str, Any]
+) -> RunResult:
+    """The record of a run that finished, from every rank's outcome (plain data, no torch)."""
+    first = ranks[0]
+    parity = first.parity
+    return RunResult(
+        run_id=run.run_id,
+        status="ok",
+        config=to_plain(run),
+        reason=parity["detail"] if parity and not parity["ok"] else "",
+        **_throughput(run, ranks, where.device, str(about["device_name"])),
+        **_memory(ranks, where.device.type == "cuda"),
+        **where.peaks._asdict(),
+        **_collectives(first),
+        **_parity(parity),
+        setup_s=max(o.setup_s for o in ranks),
+        warmup_s=max(o.warmup_s for o in ranks),
+        wall_s=where.wall_s,
+        provenance=about,
+    )
+
+
+def _throughput(
+    run: RunConfig, ranks: list[RankOutcome], device: torch.device, device_name: str
+) -> dict[str, Any]:
+    repeats = len(ranks[0].step_times_s)
+    per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(repeats)]
+    times = summarize_times(per_repeat)
+    tokens_per_s = run.tokens_per_step / times.median_s
+    flops_per_token = ranks[0].flops_per_token
+    peak_flop_s = (
+        peak_flops(device_name, run.fsdp.mixed_precision) if device.type == "cuda" else None
+    )
+    mfu = None
+    if peak_flop_s and flops_per_token:
+        mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_rank": tokens_per_s / run.world_size,
+        "step_time_s": times.median_s,
+        "step_time_min_s": times.min_s,
+        "step_time_max_s": times.max_s,
+        "step_time_spread_pct": times.spread_pct,
+        "step_times_s": per_repeat,
+        "mfu": mfu,
+        "flops_per_token": flops_per_token,
+        "timed_s": sum(per_repeat) * run.measure.timed_steps,
+    }
+
+
+def _memory(ranks: list[RankOutcome], on_cuda: bool) -> dict[str, Any]:
+    worst = max(ranks, key=lambda o: o.tracked_peak_bytes)
+    tracked = worst.tracked_peak_bytes
+    allocated = max(o.cuda_peak_allocated_bytes or 0 for o in ranks)
+    reserved = max(o.cuda_peak_reserved_bytes or 0 for o in ranks)
+    return {
+        "peak_memory_gib": (allocated if on_cuda else tracked) / GIB,
+        "peak_reserved_gib": reserved / GIB if on_cuda else None,
+        "tracked_peak_gib": tracked / GIB,
+        "memory_breakdown_gib": {k: v / GIB for k, v in worst.breakdown_bytes.items()},
+        "peak_memory_source": "cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
+    }
+
+
+def _collectives(first: RankOutcome) -> dict[str, Any]:
+    counts = first.counts
+    return {
+        "all_gathers_per_step": counts["all_gathers"],
+        "all_gather_bytes_per_step": counts["all_gather_bytes"],
+        "reduce_scatters_per_step": counts["reduce_scatters"],
+        "reduce_scatter_bytes_per_step": counts["reduce_scatter_bytes"],
+        "all_reduces_per_step": counts["all_reduces"],
+        "all_reduce_bytes_per_step": counts["all_reduce_bytes"],
+        "all_gathers_before_compute": counts["all_gathers_before_compute"],
+        "largest_group_bytes": first.largest_group_bytes,
+        "num_groups": first.num_groups,
+        "num_params": first.num_params,
+    }
+
+
+def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
+    if not parity:
+        return {}
+    return {
+        "parity_ok": parity["ok"],
+        "parity_grad_max_abs_diff": parity["grad_max_abs_diff"],
+        "parity_param_max_abs_diff": parity["param_max_abs_diff"],
+    }
+
+
+def provenance(where: RunContext, ranks: list[RankOutcome]) -> dict[str, Any]:
+    return {
+        "hostnames": sorted({o.hostname for o in ranks}),
+        "device": where.device.type,
+        "device_name": device_name(where.device),
+        "backend": dist.get_backend(),
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "fsdp_bench_version": __version__,
+        "python_version": platform.python_version(),
+        "job_id": where.info.job_id,
+        "attempt": where.info.attempt,
+        "started_at": where.started_at,
+        "finished_at": now_iso(),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
