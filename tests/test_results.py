@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_bench import load_results
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.store import ResultStore, RunResult, write_atomic
+from fsdp_bench.job.record import RankOutcome, RunContext, build_result
+from fsdp_bench.job.rendezvous import RankInfo
+from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, RunResult, write_atomic
 
 CONTRACT = [
     "run_id",
@@ -73,3 +76,38 @@ def test_unknown_fields_from_newer_versions_are_ignored(tmp_path: Path) -> None:
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / f"{run.run_id}.json").write_text(json.dumps(data))
     assert load_results(tmp_path).run_id.tolist() == [run.run_id]
+
+
+def test_a_record_takes_the_slowest_rank_per_repeat_and_the_largest_peak() -> None:
+    counts = {
+        "all_gathers": 9, "all_gather_bytes": 900, "reduce_scatters": 5,
+        "reduce_scatter_bytes": 500, "all_reduces": 0, "all_reduce_bytes": 0, "other": 0,
+        "all_gathers_before_compute": 2,
+    }  # fmt: skip
+
+    def outcome(
+        times: list[float], peak_gib: float, parity: dict[str, object] | None
+    ) -> RankOutcome:
+        return RankOutcome(
+            hostname="n1", step_times_s=times, tracked_peak_bytes=int(peak_gib * GIB),
+            breakdown_bytes={"activation": int(peak_gib * GIB)}, counts=counts,
+            largest_group_bytes=123, num_groups=5, num_params=1000, flops_per_token=None,
+            setup_s=1.0, warmup_s=0.5, parity=parity,
+        )  # fmt: skip
+
+    run = RunConfig(world_size=2)  # 2 ranks x 1 sequence x 128 tokens per step
+    parity = {"ok": False, "grad_max_abs_diff": 1.0, "param_max_abs_diff": 2.0, "detail": "off"}
+    ranks = [outcome([0.1, 0.4, 0.2], 1.0, parity), outcome([0.3, 0.2, 0.2], 2.0, None)]
+    info = RankInfo(0, 0, 2, 1, ("n1",), "7", 0)
+    where = RunContext(torch.device("cpu"), info, "t0", 9.0, EstimatedPeaks(1.5, 3.0))
+    record = build_result(run, ranks, where, {"device_name": "cpu"})
+
+    assert record.step_times_s == [0.3, 0.4, 0.2]  # the slowest rank of each repeat
+    assert record.step_time_s == 0.3 and record.tokens_per_s == pytest.approx(256 / 0.3)
+    assert record.tokens_per_s_per_rank == pytest.approx(128 / 0.3)
+    assert record.peak_memory_gib == pytest.approx(2.0)  # the largest rank's
+    assert record.memory_breakdown_gib == {"activation": pytest.approx(2.0)}
+    assert (record.estimated_peak_gib, record.analytic_peak_gib) == (1.5, 3.0)
+    assert record.all_gathers_per_step == 9 and record.largest_group_bytes == 123
+    assert record.parity_ok is False and record.reason == "off"
+    assert record.mfu is None and record.peak_reserved_gib is None and record.wall_s == 9.0
