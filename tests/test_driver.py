@@ -8,7 +8,13 @@ import pytest
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
-from fsdp_bench.launch.driver import Ledger, Verdict, classify_failure, pack_runs
+from fsdp_bench.launch.driver import (
+    Ledger,
+    Verdict,
+    classify_failure,
+    explain_from_logs,
+    pack_runs,
+)
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:
@@ -54,6 +60,24 @@ def test_silent_death_is_an_error_that_says_so() -> None:
     assert verdict.status == "error" and verdict.unexplained
     assert "without a report (rank 0: peer; job state FAILED)" in verdict.reason
     assert not classify_failure([note(0, "oom")], "", "FAILED").unexplained
+
+
+def test_a_silent_death_is_read_from_the_logs() -> None:
+    silent = classify_failure([], "", "FAILED")
+    nccl = (
+        "[rank1]:[E1201 09:12:01.123 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=12, OpType=_ALLGATHER_BASE, NumelIn=4096"
+        ", NumelOut=8192, Timeout(ms)=30000) ran for 30012 milliseconds before timing out."
+    )
+    verdict = explain_from_logs(silent, ["starting", f"step 3\n{nccl}\nAborted"])
+    assert verdict.status == "timeout" and not verdict.unexplained
+    assert (
+        verdict.reason.startswith("rank 1 (from its log): [rank1]")
+        and "_ALLGATHER_BASE" in verdict.reason
+    )
+    assert "rank 0 log tail:\nstarting" in verdict.reason
+    quiet = explain_from_logs(silent, ["nothing", "to see"])
+    assert quiet.status == "error" and "rank 1 log tail:\nto see" in quiet.reason
 
 
 def test_runs_are_packed_by_shape_and_spread_over_the_slots() -> None:

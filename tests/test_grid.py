@@ -191,6 +191,10 @@ def test_run_id_is_the_same_in_another_process() -> None:
             "expected one of true, false, default or an integer",
         ),
         (
+            grid(base={"measure": {"warmup_steps": 0}}),
+            "grid.yaml: base.measure.warmup_steps: 0 is not allowed; expected an integer >= 1",
+        ),
+        (
             grid(base={"world_size": 6, "processes_per_node": 4}),
             "base.processes_per_node: 4 is not allowed; must divide world_size 6",
         ),

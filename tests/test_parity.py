@@ -23,7 +23,7 @@ ACCUMULATION = [(1, "every"), (2, "every"), (2, "last")]
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     folder = tmp_path_factory.mktemp("parity")
-    measure = {"warmup_steps": 0, "timed_steps": 1, "repeats": 1}
+    measure = {"warmup_steps": 1, "timed_steps": 1, "repeats": 1}
     grid = tiny_grid(
         "parity",
         [

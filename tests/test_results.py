@@ -98,7 +98,7 @@ def test_a_record_takes_the_slowest_rank_per_repeat_and_the_largest_peak() -> No
     run = RunConfig(world_size=2)  # 2 ranks x 1 sequence x 128 tokens per step
     parity = {"ok": False, "grad_max_abs_diff": 1.0, "param_max_abs_diff": 2.0, "detail": "off"}
     ranks = [outcome([0.1, 0.4, 0.2], 1.0, parity), outcome([0.3, 0.2, 0.2], 2.0, None)]
-    info = RankInfo(0, 0, 2, 1, ("n1",), "7", 0)
+    info = RankInfo(rank=0, local_rank=0, world_size=2, num_nodes=1, job_id="7", attempt=0)
     where = RunContext(torch.device("cpu"), info, "t0", 9.0, EstimatedPeaks(1.5, 3.0))
     record = build_result(run, ranks, where, {"device_name": "cpu"})
 

@@ -149,14 +149,15 @@ class TrainConfig:
 class MeasureConfig:
     warmup_steps: int = 2
     """Untimed optimizer steps before the timed ones (lazy init, allocator, caches); the last
-    one also counts collectives and tracks memory."""
+    one also counts collectives and tracks memory. At least 1: the first step initialises
+    NCCL communicators, cuBLAS handles and FSDP2's lazy state, which must not be timed."""
     timed_steps: int = 5
     """Optimizer steps per timed repeat."""
     repeats: int = 3
     """Timed repeats; step time is their median, the spread is reported."""
 
     def __post_init__(self) -> None:
-        at_least(self, "warmup_steps", 0)
+        at_least(self, "warmup_steps", 1)
         at_least(self, "timed_steps", 1)
         at_least(self, "repeats", 1)
 

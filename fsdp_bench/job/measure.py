@@ -1,19 +1,15 @@
-"""What a run measures besides time: collectives per step, peak memory, MFU.
+"""What a run measures besides time: collectives per step, peak memory, peak FLOPS for MFU.
 
-Each measurement runs in its own untimed optimizer step, so the timed steps carry nothing but
-the training step.
+Each measurement runs in its own untimed optimizer step (`profile_step`), so the timed steps
+carry nothing but the training step.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -177,94 +173,6 @@ def _category(name: str) -> str:
     lowered = name.lower().replace(" ", "_")
     return {"optstate": "optimizer_state", "act": "activation", "inp": "inputs"}.get(
         lowered, lowered
-    )
-
-
-@dataclass
-class StepMeasurements:
-    """What the measurement protocol gives back for one rank of one run."""
-
-    warmup_s: float
-    step_times_s: list[float]
-    """Seconds per optimizer step, one entry per timed repeat."""
-    profile: StepProfile
-    cuda_peak_allocated_bytes: int | None
-    cuda_peak_reserved_bytes: int | None
-
-
-def measure_steps(
-    step: Callable[[], None],
-    profile: Callable[[], StepProfile],
-    run: RunConfig,
-    device: torch.device,
-) -> StepMeasurements:
-    """Warm-up steps, one profiled untimed step, then the timed repeats with nothing else in
-    them; CUDA peaks cover the timed steps only.
-
-    The profiled step is the last warm-up step when there are enough before it, otherwise it
-    comes after the timed steps. Steps before it: one for the optimizer state to exist; two
-    under DDP, which reallocates its gradient buckets in the second.
-    """
-    settled = 2 if run.strategy == "ddp" else 1
-    profile_first = run.measure.warmup_steps > settled
-    warmup_start = time.perf_counter()
-    for _ in range(run.measure.warmup_steps - profile_first):
-        step()
-    synchronize(device)
-    warmup_s = time.perf_counter() - warmup_start
-    profiled = profile() if profile_first else None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    step_times = time_steps(step, run.measure.repeats, run.measure.timed_steps, device)
-    on_cuda = device.type == "cuda"
-    allocated = torch.cuda.max_memory_allocated(device) if on_cuda else None
-    reserved = torch.cuda.max_memory_reserved(device) if on_cuda else None
-    if profiled is None:
-        steps_taken = run.measure.warmup_steps + run.measure.repeats * run.measure.timed_steps
-        for _ in range(settled - steps_taken):
-            step()
-        profiled = profile()
-    return StepMeasurements(warmup_s, step_times, profiled, allocated, reserved)
-
-
-def time_steps(
-    step: Callable[[], None], repeats: int, steps: int, device: torch.device
-) -> list[float]:
-    """Seconds per optimizer step for each repeat; ranks start each repeat together."""
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        dist.barrier()
-        begin = time.perf_counter()
-        for _ in range(steps):
-            step()
-        synchronize(device)
-        times.append((time.perf_counter() - begin) / steps)
-    return times
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class TimeSummary:
-    """Per-step wall time over repeats: median and spread (seconds)."""
-
-    median_s: float
-    min_s: float
-    max_s: float
-
-    @property
-    def spread_pct(self) -> float:
-        """(max - min) / median, in percent: how much to trust a ranking by this time."""
-        return 100.0 * (self.max_s - self.min_s) / self.median_s if self.median_s else 0.0
-
-
-def summarize_times(step_times_s: list[float]) -> TimeSummary:
-    return TimeSummary(
-        median_s=statistics.median(step_times_s), min_s=min(step_times_s), max_s=max(step_times_s)
     )
 
 

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from fsdp_bench import __version__
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.measure import peak_flops, summarize_times
+from fsdp_bench.job.measure import peak_flops
 from fsdp_bench.job.rendezvous import RankInfo
+from fsdp_bench.job.timing import summarize_times
 from fsdp_bench.store import GIB, EstimatedPeaks, RunResult, now_iso
 
 

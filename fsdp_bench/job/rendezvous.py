@@ -29,15 +29,13 @@ class RankInfo:
     local_rank: int
     world_size: int
     num_nodes: int
-    hostnames: tuple[str, ...]
     job_id: str
     attempt: int
     """Requeue count: a requeued job rendezvous afresh."""
 
     @property
-    def master_addr(self) -> str:
-        # One node: loopback, whatever the hostname resolves to.
-        return "127.0.0.1" if self.num_nodes == 1 else self.hostnames[0]
+    def local_world_size(self) -> int:
+        return self.world_size // self.num_nodes
 
 
 def rank_info() -> RankInfo:
@@ -50,19 +48,29 @@ def rank_info() -> RankInfo:
         local_rank=env.local_rank,
         world_size=env.num_tasks,
         num_nodes=env.num_nodes,
-        hostnames=tuple(env.hostnames),
         job_id=str(env.job_id),
         attempt=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     )
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    """cuda:<LOCAL_RANK> (never the global rank) when CUDA is asked for or available."""
+def pick_device(kind: str, local_rank: int, device_count: int | None = None) -> torch.device:
+    """cuda:<LOCAL_RANK> (never the global rank) when CUDA is asked for or available.
+
+    One GPU per rank: two ranks on one GPU make NCCL fail at its first communicator, far from
+    the cause, so a local rank without a GPU of its own is an error here."""
     use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    torch.cuda.set_device(device)
+    visible = torch.cuda.device_count() if device_count is None else device_count
+    if local_rank >= visible:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: {visible} visible on this node "
+            "(one rank per GPU; check processes_per_node / gpus_per_node and "
+            "CUDA_VISIBLE_DEVICES)"
+        )
+    device = torch.device("cuda", local_rank)
+    if device_count is None:
+        torch.cuda.set_device(device)
     return device
 
 
@@ -70,14 +78,16 @@ def init_process_group(
     info: RankInfo, device: torch.device, rendezvous_dir: Path, timeout_s: float
 ) -> None:
     """NCCL on GPUs, gloo on CPUs; `timeout_s` bounds every collective (a hang becomes an error)."""
-    store = _rendezvous(info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s)
+    store, host = _rendezvous(
+        info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s
+    )
     # The usual variables, for user model code that reads them (torch itself uses the store).
     os.environ.update(
         RANK=str(info.rank),
         LOCAL_RANK=str(info.local_rank),
         WORLD_SIZE=str(info.world_size),
-        LOCAL_WORLD_SIZE=str(info.world_size // info.num_nodes),
-        MASTER_ADDR=info.master_addr,
+        LOCAL_WORLD_SIZE=str(info.local_world_size),
+        MASTER_ADDR=host,
         MASTER_PORT=str(store.port),
     )
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -91,11 +101,16 @@ def init_process_group(
     )
 
 
-def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TCPStore:
+def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """The store rank 0 serves, and the host the others reach it at.
+
+    Rank 0 publishes its own hostname (loopback on one node): under a cyclic or arbitrary
+    task distribution, rank 0 need not run on the first host of the allocation."""
     timeout = timedelta(seconds=timeout_s)
     if info.rank == 0:
+        host = "127.0.0.1" if info.num_nodes == 1 else hostname()
         store = dist.TCPStore(
-            info.master_addr,
+            host,
             0,
             info.world_size,
             is_master=True,
@@ -104,9 +119,9 @@ def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TC
         )
         token = secrets.token_hex(8)
         store.set("fsdp_bench_token", token)
-        address = {"host": info.master_addr, "port": store.port, "token": token}
+        address = {"host": host, "port": store.port, "token": token}
         write_atomic(address_file, json.dumps(address))
-        return store
+        return store, host
     deadline = time.monotonic() + timeout_s
     while True:
         connected = _try_connect(address_file, info, timeout)
@@ -117,7 +132,9 @@ def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> dist.TC
         time.sleep(0.05)
 
 
-def _try_connect(address_file: Path, info: RankInfo, timeout: timedelta) -> dist.TCPStore | None:
+def _try_connect(
+    address_file: Path, info: RankInfo, timeout: timedelta
+) -> tuple[dist.TCPStore, str] | None:
     """Connect to the store named in the file, if the file is there and not stale."""
     try:
         address = json.loads(address_file.read_text())
@@ -136,7 +153,7 @@ def _try_connect(address_file: Path, info: RankInfo, timeout: timedelta) -> dist
     except (RuntimeError, OSError):
         return None  # a file left by an earlier attempt, pointing at a closed port
     store.set_timeout(timeout)
-    return store
+    return store, address["host"]
 
 
 def barrier_and_destroy() -> None:

@@ -5,10 +5,8 @@ and the process group are paid once per job, not once per run. Between runs ever
 built is released and peak statistics are reset, so a run measures the same alone or after
 others.
 
-When a rank fails, it writes a note saying why (OOM, error, collective timeout) and ends its
-process: the rest of the job cannot trust a process group with a collective left half done,
-and a fresh process is the only clean slate after an OOM. The driver turns the notes into the
-run's record and starts the remaining runs in a new job.
+When a rank fails, it writes a note saying why and ends its process (`failures.py`); the
+driver turns the notes into the run's record and starts the remaining runs in a new job.
 
 Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on a node is light.
 """
@@ -16,24 +14,21 @@ Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import signal
-import sys
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.measure import measure_steps, profile_step
+from fsdp_bench.job.failures import Terminated, classify, fail, mark_started, note_failure
+from fsdp_bench.job.measure import profile_step
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import check_parity
@@ -46,8 +41,10 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
+from fsdp_bench.job.timing import GRACE_S, measure_steps
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
-from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso, write_atomic
+from fsdp_bench.job.watchdog import Watchdog
+from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,11 @@ class JobContext:
     device: torch.device
     store: ResultStore
     verify: bool
+    collective_timeout_s: float = 300.0
+    watchdog: Watchdog | None = None
+    """Armed while a run steps (`timing.measure_steps`) and while its results are gathered."""
+    inflight: Path | None = None
+    """The in-flight folder of the run being measured: where a hang's note goes."""
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
@@ -78,10 +80,6 @@ class JobContext:
             names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
             self.meshes[shape] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self.meshes[shape]
-
-
-class Terminated(BaseException):
-    """The scheduler is ending the job (scancel, requeue, time limit): stop at once."""
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -102,45 +100,97 @@ def run_job(job: JobSpec) -> list[str]:
     # into an exception unless the job checkpoints; jobs here are requeued whole by Slurm and
     # the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so keep working.
     signal.signal(signal.SIGUSR2, _note_warning)
-    info = rank_info()
-    device = pick_device(job.device, info.local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
-    store = ResultStore(job.results_dir)
-    init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
-    # What exists now lives for the whole job; later collections only scan what runs create,
-    # which makes the collection between runs ~10x cheaper.
-    gc.freeze()
-    context = JobContext(info=info, device=device, store=store, verify=job.verify)
+    context = _start(job, rank_info(), ResultStore(job.results_dir))
     recorded = []
     for run in job.runs:
         if _already_recorded(run, context):
             continue
-        inflight = store.inflight(run.run_id)
-        if info.rank == 0:
-            _mark_started(inflight, info)
-            print(f"fsdp-bench: run {run.run_id} started", flush=True)
-        started_at = now_iso()
-        start = time.perf_counter()
-        try:
-            outcome = execute_run(run, context)
-        except BaseException as err:
-            _fail(inflight, info, err)
+        if _run_one(run, job, context):
+            recorded.append(run.run_id)
+        _release(context.device)
+    barrier_and_destroy()
+    return recorded
+
+
+def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
+    """Device, threads and process group, once per job.
+
+    A failure here fails every run of the job the same way (a rank without a GPU of its own,
+    a rendezvous that never completes): each pending run gets this rank's note, so the driver
+    records them all at once instead of retrying the job."""
+    try:
+        device = pick_device(job.device, info.local_rank)
+        # On every device: with CPU offload the optimizer step runs on the host.
+        torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
+        init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
+    except BaseException as err:
+        pending = [r for r in job.runs if not store.has(r.run_id)]
+        if not pending or classify(err) == "interrupted":
+            raise
+        for run in pending[1:]:
+            note_failure(store.inflight(run.run_id), info, err)
+        first = store.inflight(pending[0].run_id)
+        mark_started(first, info)  # lets the driver stop the ranks still waiting for this one
+        fail(first, info, err)
+    # What exists now lives for the whole job; later collections only scan what runs create,
+    # which makes the collection between runs ~10x cheaper.
+    gc.freeze()
+    context = JobContext(
+        info=info,
+        device=device,
+        store=store,
+        verify=job.verify,
+        collective_timeout_s=job.collective_timeout_s,
+    )
+    context.watchdog = Watchdog(lambda phase, waited_s: _hung(context, phase, waited_s))
+    return context
+
+
+def _hung(context: JobContext, phase: str, waited_s: float) -> None:
+    """The watchdog's verdict: this rank made no progress in time (called from its thread)."""
+    rank = context.info.rank
+    err = TimeoutError(
+        f"rank {rank} made no progress for {waited_s:.0f} s in {phase}: a collective is hung "
+        "or another rank stopped (fsdp-bench watchdog; launcher.collective_timeout_s "
+        f"{context.collective_timeout_s:g} s)"
+    )
+    if context.inflight is not None:
+        fail(context.inflight, context.info, err)
+
+
+def _run_one(run: RunConfig, job: JobSpec, context: JobContext) -> bool:
+    """Measure one run and record it (rank 0); a failure leaves a note and ends the process."""
+    info, store = context.info, context.store
+    inflight = context.inflight = store.inflight(run.run_id)
+    if info.rank == 0:
+        mark_started(inflight, info)
+        print(f"fsdp-bench: run {run.run_id} started", flush=True)
+    started_at = now_iso()
+    start = time.perf_counter()
+    try:
+        outcome = execute_run(run, context)
         where = RunContext(
-            device=device,
+            device=context.device,
             info=info,
             started_at=started_at,
             wall_s=time.perf_counter() - start,
             peaks=job.estimates.get(run.run_id, EstimatedPeaks()),
         )
+        # Inside the handler: rank 0 failing here must end the job, not leave the other
+        # ranks waiting in the next collective.
+        if context.watchdog is not None:
+            context.watchdog.arm("gathering the results", context.collective_timeout_s + GRACE_S)
         result = gather_result(run, outcome, where)
+        if context.watchdog is not None:
+            context.watchdog.disarm()
         if result is not None:
             store.record(result)
-            _remove(inflight)
-            recorded.append(run.run_id)
-        _release(device)
-    barrier_and_destroy()
-    return recorded
+    except BaseException as err:
+        fail(inflight, info, err)
+    if result is None:
+        return False
+    shutil.rmtree(inflight, ignore_errors=True)
+    return True
 
 
 def _cpus_for_rank(info: RankInfo) -> int:
@@ -148,7 +198,7 @@ def _cpus_for_rank(info: RankInfo) -> int:
     allotted = os.environ.get("SLURM_CPUS_PER_TASK")
     if allotted:
         return int(allotted)
-    return max(1, (os.cpu_count() or 1) // (info.world_size // info.num_nodes))
+    return max(1, (os.cpu_count() or 1) // info.local_world_size)
 
 
 def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
@@ -171,7 +221,12 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
 
     _inject_fault(run, rank, device)
     measured = measure_steps(
-        step, lambda: profile_step(model, optimizer, batches, run), run, device
+        step,
+        lambda: profile_step(model, optimizer, batches, run),
+        run,
+        device,
+        context.watchdog,
+        context.collective_timeout_s,
     )
     memory = measured.profile.memory
     return RankOutcome(
@@ -218,57 +273,6 @@ def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
             raise ValueError(f"fault.kind {other!r}")
 
 
-def classify(err: BaseException) -> str:
-    """oom, timeout, error; or peer / interrupted, which only echo another rank's failure."""
-    if isinstance(err, (KeyboardInterrupt, SystemExit, Terminated)):
-        return "interrupted"  # the driver or the scheduler stopped the job
-    text = f"{type(err).__name__}: {err}"
-    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
-        return "oom"
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered:
-        return "timeout"
-    peer_signs = (
-        "connection closed by peer",
-        "connection reset by peer",
-        "broken pipe",
-        "econnreset",
-    )
-    if any(sign in lowered for sign in peer_signs):
-        return "peer"
-    return "error"
-
-
-def _fail(inflight: Path, info: RankInfo, err: BaseException) -> NoReturn:
-    """Leave a note for the driver and end this process (see the module docstring)."""
-    note = {
-        "rank": info.rank,
-        "attempt": info.attempt,
-        "hostname": hostname(),
-        "class": classify(err),
-        "type": type(err).__name__,
-        "message": _tail(traceback.format_exception_only(type(err), err)),
-        "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
-        "at": now_iso(),
-    }
-    try:
-        write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
-    finally:
-        traceback.print_exception(type(err), err, err.__traceback__)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _mark_started(inflight: Path, info: RankInfo) -> None:
-    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": now_iso()}
-    write_atomic(inflight / "started.json", json.dumps(marker))
-
-
-def _remove(inflight: Path) -> None:
-    shutil.rmtree(inflight, ignore_errors=True)
-
-
 def _release(device: torch.device) -> None:
     """Free what the last run built, so the next one starts from the same state."""
     gc.collect()
@@ -276,7 +280,3 @@ def _release(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def _tail(lines: list[str], keep: int = 5) -> str:
-    return "".join(lines[-keep:]).strip()[-2000:]

@@ -23,6 +23,7 @@ from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
+from fsdp_bench.job.failures import classify_text
 from fsdp_bench.job.worker import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
@@ -259,13 +260,11 @@ class Driver:
     def _record_failure(
         self, run: RunConfig, verdict: Verdict, job: SubmittedJob, state: str
     ) -> None:
-        reason = verdict.reason
         if verdict.unexplained:  # the logs are all there is to go on
-            reason += "\n" + "\n".join(
-                f"rank {r} log tail:\n{job.log_tail(r, 8)}" for r in range(run.world_size)
-            )
+            tails = [job.log_tail(rank, 8) for rank in range(run.world_size)]
+            verdict = explain_from_logs(verdict, tails)
         self.record_unlaunched(
-            run, verdict.status, reason, {"job_id": job.job_id, "job_state": state}
+            run, verdict.status, verdict.reason, {"job_id": job.job_id, "job_state": state}
         )
 
     def record_unlaunched(
@@ -341,6 +340,23 @@ def classify_failure(notes: list[dict[str, Any]], cancel_reason: str, state: str
     seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in by_rank) or "no rank reported"
     reason = f"a rank ended without a report ({seen}; job state {state})"
     return Verdict("error", reason, unexplained=True)
+
+
+def explain_from_logs(verdict: Verdict, tails: list[str]) -> Verdict:
+    """A silent failure read from the ranks' logs: a line such as NCCL's "Watchdog caught
+    collective operation timeout" (the process aborted from NCCL's thread, no note written)
+    or a CUDA out-of-memory makes the run `timeout` or `oom`; the tails are kept either way."""
+    found = [
+        (rank, line.strip())
+        for rank, tail in enumerate(tails)
+        for line in tail.splitlines()
+        if classify_text(line) in ("timeout", "oom")
+    ]
+    logs = "\n".join(f"rank {rank} log tail:\n{tail}" for rank, tail in enumerate(tails))
+    if not found:
+        return verdict._replace(reason=f"{verdict.reason}\n{logs}")
+    rank, line = found[0]
+    return Verdict(classify_text(line), f"rank {rank} (from its log): {line}\n{logs}")
 
 
 def _read_notes(inflight: Path) -> list[dict[str, Any]]:

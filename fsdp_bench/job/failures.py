@@ -1,0 +1,102 @@
+"""How a rank fails: what kind of failure an exception is, and the note it leaves for the driver.
+
+A failing rank writes a note (rank, class, message, traceback) into the run's in-flight folder
+and ends its process: the rest of the job cannot trust a process group with a collective left
+half done, and a fresh process is the only clean slate after an OOM. The driver turns the
+notes into the run's record (`launch/driver.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from fsdp_bench.job.rendezvous import RankInfo, hostname
+from fsdp_bench.store import now_iso, write_atomic
+
+
+class Terminated(BaseException):
+    """The scheduler is ending the job (scancel, requeue, time limit): stop at once."""
+
+
+# Out-of-memory as the allocators and libraries word it when they do not raise
+# torch.OutOfMemoryError: the CPU allocator ("can't allocate memory"), a CUDA runtime error
+# surfaced by a kernel ("CUDA error: out of memory"), NCCL failing to allocate its buffers
+# ("unhandled cuda error ... Cuda failure 'out of memory'"), cuBLAS failing to allocate its
+# workspace (CUBLAS_STATUS_ALLOC_FAILED).
+_OOM_SIGNS = (
+    "can't allocate memory",
+    "out of memory",
+    "cudaerrormemoryallocation",
+    "cublas_status_alloc_failed",
+)
+_TIMEOUT_SIGNS = ("timed out", "timeout")
+_PEER_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "econnreset",
+)
+
+
+def classify(err: BaseException) -> str:
+    """oom, timeout, error; or peer / interrupted, which only echo another rank's failure."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, Terminated)):
+        return "interrupted"  # the driver or the scheduler stopped the job
+    if isinstance(err, torch.OutOfMemoryError):
+        return "oom"
+    return classify_text(f"{type(err).__name__}: {err}")
+
+
+def classify_text(text: str) -> str:
+    """The class of a failure from its words (an exception's, or a log line's)."""
+    lowered = text.lower()
+    if any(sign in lowered for sign in _OOM_SIGNS):
+        return "oom"
+    if any(sign in lowered for sign in _TIMEOUT_SIGNS):
+        return "timeout"
+    if any(sign in lowered for sign in _PEER_SIGNS):
+        return "peer"
+    return "error"
+
+
+def note_failure(inflight: Path, info: RankInfo, err: BaseException, **extra: object) -> None:
+    """Write this rank's note for the run whose in-flight folder is `inflight`."""
+    note = {
+        "rank": info.rank,
+        "attempt": info.attempt,
+        "hostname": hostname(),
+        "class": classify(err),
+        "type": type(err).__name__,
+        "message": _tail(traceback.format_exception_only(type(err), err)),
+        "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
+        "at": now_iso(),
+        **extra,
+    }
+    write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
+
+
+def fail(inflight: Path, info: RankInfo, err: BaseException, **extra: object) -> NoReturn:
+    """Leave a note for the driver and end this process (see the module docstring)."""
+    try:
+        note_failure(inflight, info, err, **extra)
+    finally:
+        traceback.print_exception(type(err), err, err.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def mark_started(inflight: Path, info: RankInfo) -> None:
+    marker = {"job_id": info.job_id, "attempt": info.attempt, "started_at": now_iso()}
+    write_atomic(inflight / "started.json", json.dumps(marker))
+
+
+def _tail(lines: list[str], keep: int = 5) -> str:
+    return "".join(lines[-keep:]).strip()[-2000:]

@@ -1,0 +1,105 @@
+"""What a rank decides by itself: failure classes from real error texts, its device, its threads,
+and a timed region free of garbage collection."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_bench.job.failures import classify, classify_text
+from fsdp_bench.job.rendezvous import RankInfo, pick_device
+from fsdp_bench.job.timing import time_steps
+from fsdp_bench.job.watchdog import Watchdog
+from fsdp_bench.job.worker import _cpus_for_rank
+
+# Texts as torch, CUDA, cuBLAS, NCCL and gloo print them (shortened where they run on).
+FAILURE_TEXTS = [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+     "capacity of 139.72 GiB of which 1.02 GiB is free.", "oom"),
+    ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+     "reported at some other API call", "oom"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+     "oom"),
+    ("DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:2027, unhandled cuda error (run "
+     "with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to "
+     "CUDA function failed.\nLast error:\nCuda failure 'out of memory'", "oom"),
+    ("RuntimeError: [enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't "
+     "allocate memory: you tried to allocate 281474976710656 bytes.", "oom"),
+    ("DistBackendError: [Rank 1] Watchdog caught collective operation timeout: "
+     "WorkNCCL(SeqNum=12, OpType=_ALLGATHER_BASE, NumelIn=1048576, Timeout(ms)=30000) ran for "
+     "30012 milliseconds before timing out.", "timeout"),
+    ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+     "[127.0.0.1]:4411: Connection reset by peer", "peer"),
+    ("DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with "
+     "NCCL_DEBUG=WARN for details)", "error"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "expected"), FAILURE_TEXTS)
+def test_failure_texts_are_classified(text: str, expected: str) -> None:
+    assert classify_text(text) == expected
+
+
+def test_a_torch_oom_is_oom_whatever_its_words() -> None:
+    assert classify(torch.OutOfMemoryError("no words")) == "oom"
+    assert classify(KeyboardInterrupt()) == "interrupted"
+
+
+def test_each_local_rank_gets_a_gpu_of_its_own() -> None:
+    assert pick_device("cuda", 1, device_count=2) == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="local rank 2 has no GPU of its own: 2 visible"):
+        pick_device("cuda", 2, device_count=2)
+    assert pick_device("cpu", 5, device_count=0) == torch.device("cpu")
+
+
+def test_threads_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    info = RankInfo(rank=0, local_rank=0, world_size=8, num_nodes=2, job_id="1", attempt=0)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "12")
+    assert _cpus_for_rank(info) == 12
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert _cpus_for_rank(info) == 16  # 64 cores shared by the 4 ranks of this node
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_garbage_collection_in_the_timed_steps(one_rank_group: None) -> None:
+    seen: list[bool] = []
+    times = time_steps(lambda: seen.append(gc.isenabled()), 2, 3, torch.device("cpu"))
+    assert len(times) == 2 and seen == [False] * 6
+    assert gc.isenabled()
+
+
+def test_the_watchdog_calls_a_phase_that_outlives_its_allowance() -> None:
+    expired: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def on_expire(phase: str, waited_s: float) -> None:
+        expired.append((phase, waited_s))
+        done.set()
+
+    watchdog = Watchdog(on_expire, poll_s=0.02)
+    watchdog.arm("warm-up step 1", 10.0)
+    watchdog.arm("timed repeat 1", 0.1)  # re-arming replaces the phase and its deadline
+    assert done.wait(5.0)
+    assert expired[0][0] == "timed repeat 1" and expired[0][1] >= 0.1
+    quiet = Watchdog(on_expire, poll_s=0.02)
+    quiet.arm("gathering the results", 0.05)
+    quiet.disarm()
+    time.sleep(0.2)
+    assert len(expired) == 1  # a disarmed phase never expires
