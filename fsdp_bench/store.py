@@ -57,6 +57,8 @@ class RunResult:
     step_times_s: list[float] | None = None
     mfu: float | None = None
     flops_per_token: float | None = None
+    peak_flops_source: str | None = None
+    """The row of the peak-FLOPS table MFU was computed against (device, dtype, TFLOPS)."""
     # Memory (max over ranks)
     peak_memory_gib: float | None = None
     """CUDA: max_memory_allocated over the timed steps. CPU: the tracked tensor peak."""
@@ -67,6 +69,16 @@ class RunResult:
     estimated_peak_gib: float | None = None
     """The simulated estimate made before the run (tensors only, like tracked_peak_gib)."""
     analytic_peak_gib: float | None = None
+    allocated_at_start_gib: float | None = None
+    """CUDA memory allocated when the run began (largest rank): above zero, something of an
+    earlier run of the job was still alive, and the run's peak includes it."""
+    num_alloc_retries: int | None = None
+    """cudaMalloc retries after freeing the allocator's cache, during the timed steps (sum
+    over ranks): a run that fits only this way is slow for that reason."""
+    num_ooms: int | None = None
+    sdpa_backend: str | None = None
+    """The attention kernel (FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH) the
+    preset model's SDPA calls get; None for user models."""
     # Communication per optimizer step (rank 0; all ranks issue the same collectives)
     all_gathers_per_step: int | None = None
     all_gather_bytes_per_step: int | None = None

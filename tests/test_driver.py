@@ -8,13 +8,8 @@ import pytest
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
-from fsdp_bench.launch.driver import (
-    Ledger,
-    Verdict,
-    classify_failure,
-    explain_from_logs,
-    pack_runs,
-)
+from fsdp_bench.launch.driver import Ledger, pack_runs
+from fsdp_bench.launch.verdicts import Verdict, classify_failure, explain_from_logs
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:

@@ -97,3 +97,7 @@ def test_the_check_can_fail() -> None:
     assert not ok and "relative L2 error 1.00e-01" in detail
     ok, _, _ = _compare({"w": torch.ones(4, 4) * 1.01}, want, "bf16")
     assert ok
+    ok, _, detail = _compare({"w": torch.ones(4, 4) * 1.02}, want, "tf32")  # 2e-2 > 1e-2
+    assert not ok and "relative L2 error 2.00e-02 > 0.01" in detail
+    ok, _, _ = _compare({"w": bad}, want, "tf32")  # 1e-4 in one element passes under TF32
+    assert ok

@@ -13,7 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.job.failures import classify, classify_text
+from fsdp_bench.job.flops import peak_flops
+from fsdp_bench.job.models import attention_backend, attention_inputs
 from fsdp_bench.job.rendezvous import RankInfo, pick_device
 from fsdp_bench.job.timing import time_steps
 from fsdp_bench.job.watchdog import Watchdog
@@ -103,3 +106,34 @@ def test_the_watchdog_calls_a_phase_that_outlives_its_allowance() -> None:
     quiet.disarm()
     time.sleep(0.2)
     assert len(expired) == 1  # a disarmed phase never expires
+
+
+@pytest.mark.parametrize(
+    ("device_name", "precision", "tf32", "source"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, "H100 bf16 989.4 TFLOPS"),
+        ("NVIDIA H100 NVL", "bf16", False, "H100 NVL bf16 835.5 TFLOPS"),
+        ("NVIDIA H200 NVL", "fp32", True, "H200 NVL tf32 417.5 TFLOPS"),
+        ("NVIDIA H200", "fp32", False, "H200 fp32 67 TFLOPS"),
+        ("NVIDIA GB200", "bf16", False, "GB200 bf16 2500 TFLOPS"),
+        ("NVIDIA B200", "bf16", False, "B200 bf16 2250 TFLOPS"),
+    ],
+)
+def test_peak_flops_rows(device_name: str, precision: str, tf32: bool, source: str) -> None:
+    peak = peak_flops(device_name, precision, tf32)
+    assert peak is not None and peak.source == source
+    assert peak.flop_s == pytest.approx(float(source.split()[-2]) * 1e12)
+
+
+def test_no_peak_flops_for_mig_slices_and_cpus() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "bf16", False) is None
+    assert peak_flops("x86_64", "bf16", False) is None
+
+
+def test_attention_inputs_and_backend_on_cpu() -> None:
+    q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    _, k_out, _, gqa = attention_inputs(q, k, k)
+    assert gqa and k_out.shape[1] == 2  # K/V repeated only for fp32 on CUDA
+    assert attention_inputs(q, q, q)[3] is False
+    backend = attention_backend(PRESETS["tiny"], 128, torch.float32, torch.device("cpu"))
+    assert backend in {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}

@@ -138,6 +138,10 @@ class TrainConfig:
     (set_requires_gradient_sync(False) before the others: less communication, more memory)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     learning_rate: float = 1e-4
+    fp32_matmul: Literal["ieee", "tf32"] = "ieee"
+    """How fp32 matmuls run on CUDA: ieee (full fp32, PyTorch's own default since 1.12, and
+    what the parity tolerances assume) or tf32 (tensor cores, 10-bit mantissa: much faster on
+    Ampere and later). bf16 runs are not affected. CPU runs ignore it."""
 
     def __post_init__(self) -> None:
         at_least(self, "accumulation_steps", 1)

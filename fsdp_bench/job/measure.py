@@ -1,4 +1,4 @@
-"""What a run measures besides time: collectives per step, peak memory, peak FLOPS for MFU.
+"""What a run measures besides time: collectives per step and peak memory.
 
 Each measurement runs in its own untimed optimizer step (`profile_step`), so the timed steps
 carry nothing but the training step.
@@ -174,31 +174,3 @@ def _category(name: str) -> str:
     return {"optstate": "optimizer_state", "act": "activation", "inp": "inputs"}.get(
         lowered, lowered
     )
-
-
-# Dense (no sparsity) peak tensor-core throughput per GPU, FLOP/s, from NVIDIA's datasheets:
-# H100 SXM / H200 / GH200: 989.4 TFLOPS BF16, 494.7 TF32; H100 PCIe: 756 BF16, 378 TF32;
-# A100: 312 BF16, 156 TF32; L40S: 362 BF16, 183 TF32; B200: 2250 BF16, 1100 TF32.
-# fp32 runs count as TF32 only when torch allows TF32 matmuls; otherwise the plain FP32 rate
-# (H100 SXM / H200 67, H100 PCIe 51, A100 19.5, L40S 91.6, B200 75 TFLOPS).
-_PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
-    # (name fragment, bf16, tf32, fp32); first match wins, so specific names come first
-    ("GH200", 989.4, 494.7, 67.0),
-    ("H200", 989.4, 494.7, 67.0),
-    ("H100 PCIe", 756.0, 378.0, 51.0),
-    ("H100", 989.4, 494.7, 67.0),
-    ("A100", 312.0, 156.0, 19.5),
-    ("L40S", 362.0, 183.0, 91.6),
-    ("B200", 2250.0, 1100.0, 75.0),
-]
-
-
-def peak_flops(device_name: str, mixed_precision: str) -> float | None:
-    """Peak FLOP/s of one device for the run's compute dtype; None when unknown (CPUs)."""
-    for fragment, bf16, tf32, fp32 in _PEAK_TFLOPS:
-        if fragment in device_name:
-            if mixed_precision == "bf16":
-                return bf16 * 1e12
-            tf32_on = torch.backends.cuda.matmul.allow_tf32
-            return (tf32 if tf32_on else fp32) * 1e12
-    return None

@@ -52,14 +52,40 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        q, k, v, gqa = attention_inputs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(q, k, v, enable_gqa) for SDPA, heads on dim 1. On CUDA, fp32 GQA inputs get K/V
+    repeated to every query head: SDPA's memory-efficient kernel takes fp32 but not
+    enable_gqa, and the math fallback is quadratic in memory and several times slower; bf16
+    keeps enable_gqa (flash takes it)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return q, k, v, False
+    if q.is_cuda and q.dtype == torch.float32:
+        return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+    return q, k, v, True
+
+
+def attention_backend(
+    shape: ModelShape, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> str:
+    """The SDPA kernel the preset's attention gets for this dtype and device (FLASH_ATTENTION,
+    EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH), asked of torch's own dispatcher on a sample
+    of one sequence (at most 256 tokens: the choice depends on dtype, head size and GQA)."""
+    from torch.nn.attention import SDPBackend
+
+    seq = min(seq_len, 256)
+    q = torch.zeros(1, shape.n_heads, seq, shape.head_dim, dtype=dtype, device=device)
+    k = torch.zeros(1, shape.n_kv_heads, seq, shape.head_dim, dtype=dtype, device=device)
+    q, k, v, gqa = attention_inputs(q, k, k)
+    choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa)
+    return str(SDPBackend(choice).name)
 
 
 class FeedForward(nn.Module):

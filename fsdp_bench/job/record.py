@@ -6,7 +6,9 @@ the largest rank's; collectives and group sizes are rank 0's (all ranks issue th
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +18,10 @@ import torch.distributed as dist
 from fsdp_bench import __version__
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.measure import peak_flops
+from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.timing import summarize_times
+from fsdp_bench.job.training import fp32_matmul_precision
 from fsdp_bench.store import GIB, EstimatedPeaks, RunResult, now_iso
 
 
@@ -40,6 +43,11 @@ class RankOutcome:
     warmup_s: float
     cuda_peak_allocated_bytes: int | None = None
     cuda_peak_reserved_bytes: int | None = None
+    allocated_at_start_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    device_index: int | None = None
+    sdpa_backend: str | None = None
     parity: dict[str, Any] | None = None
 
 
@@ -77,6 +85,7 @@ def build_result(
         reason=parity["detail"] if parity and not parity["ok"] else "",
         **_throughput(run, ranks, where.device, str(about["device_name"])),
         **_memory(ranks, where.device.type == "cuda"),
+        sdpa_backend=first.sdpa_backend,
         **where.peaks._asdict(),
         **_collectives(first),
         **_parity(parity),
@@ -95,12 +104,13 @@ def _throughput(
     times = summarize_times(per_repeat)
     tokens_per_s = run.tokens_per_step / times.median_s
     flops_per_token = ranks[0].flops_per_token
-    peak_flop_s = (
-        peak_flops(device_name, run.fsdp.mixed_precision) if device.type == "cuda" else None
+    tf32 = run.train.fp32_matmul == "tf32"
+    peak = (
+        peak_flops(device_name, run.fsdp.mixed_precision, tf32) if device.type == "cuda" else None
     )
     mfu = None
-    if peak_flop_s and flops_per_token:
-        mfu = flops_per_token * tokens_per_s / run.world_size / peak_flop_s
+    if peak and flops_per_token:
+        mfu = flops_per_token * tokens_per_s / run.world_size / peak.flop_s
     return {
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_rank": tokens_per_s / run.world_size,
@@ -111,6 +121,7 @@ def _throughput(
         "step_times_s": per_repeat,
         "mfu": mfu,
         "flops_per_token": flops_per_token,
+        "peak_flops_source": peak.source if peak else None,
         "timed_s": sum(per_repeat) * run.measure.timed_steps,
     }
 
@@ -120,12 +131,16 @@ def _memory(ranks: list[RankOutcome], on_cuda: bool) -> dict[str, Any]:
     tracked = worst.tracked_peak_bytes
     allocated = max(o.cuda_peak_allocated_bytes or 0 for o in ranks)
     reserved = max(o.cuda_peak_reserved_bytes or 0 for o in ranks)
+    at_start = max(o.allocated_at_start_bytes or 0 for o in ranks)
     return {
         "peak_memory_gib": (allocated if on_cuda else tracked) / GIB,
         "peak_reserved_gib": reserved / GIB if on_cuda else None,
         "tracked_peak_gib": tracked / GIB,
         "memory_breakdown_gib": {k: v / GIB for k, v in worst.breakdown_bytes.items()},
         "peak_memory_source": "cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
+        "allocated_at_start_gib": at_start / GIB if on_cuda else None,
+        "num_alloc_retries": sum(o.num_alloc_retries or 0 for o in ranks) if on_cuda else None,
+        "num_ooms": sum(o.num_ooms or 0 for o in ranks) if on_cuda else None,
     }
 
 
@@ -156,6 +171,7 @@ def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def provenance(where: RunContext, ranks: list[RankOutcome]) -> dict[str, Any]:
+    on_cuda = where.device.type == "cuda"
     return {
         "hostnames": sorted({o.hostname for o in ranks}),
         "device": where.device.type,
@@ -169,7 +185,32 @@ def provenance(where: RunContext, ranks: list[RankOutcome]) -> dict[str, Any]:
         "attempt": where.info.attempt,
         "started_at": where.started_at,
         "finished_at": now_iso(),
+        "device_indices": [o.device_index for o in ranks],
+        "cuda_version": torch.version.cuda if on_cuda else None,
+        "nccl_version": _nccl_version() if on_cuda else None,
+        "driver_version": _driver_version() if on_cuda else None,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "fp32_matmul_precision": fp32_matmul_precision(),
     }
+
+
+def _nccl_version() -> str | None:
+    try:
+        return ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver, from nvidia-smi (torch does not expose it)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()[0].strip() if done.stdout.strip() else None
 
 
 def device_name(device: torch.device) -> str:

@@ -35,6 +35,10 @@ class StepMeasurements:
     profile: StepProfile
     cuda_peak_allocated_bytes: int | None
     cuda_peak_reserved_bytes: int | None
+    num_alloc_retries: int | None = None
+    """cudaMalloc failures the caching allocator survived by freeing its cache and retrying,
+    during the timed steps: a run that fits only this way is slow for that reason."""
+    num_ooms: int | None = None
 
 
 def measure_steps(
@@ -58,25 +62,21 @@ def measure_steps(
     timeout_s += GRACE_S
     settled = 2 if run.strategy == "ddp" else 1
     profile_first = run.measure.warmup_steps > settled
-    slowest_s = 0.0
-    warmup_start = time.perf_counter()
-    for index in range(run.measure.warmup_steps - profile_first):
-        arm(f"warm-up step {index + 1}", timeout_s)
-        began = time.perf_counter()
-        step()
-        synchronize(device)
-        slowest_s = max(slowest_s, time.perf_counter() - began)
-    warmup_s = time.perf_counter() - warmup_start
+    warmup_s, slowest_s = _warm_up(
+        step, run.measure.warmup_steps - profile_first, device, arm, timeout_s
+    )
     arm("the profiled step", timeout_s)
     profiled = profile() if profile_first else None
-    if device.type == "cuda":
+    on_cuda = device.type == "cuda"
+    if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    before = _allocator_counts(device)
     steps = run.measure.timed_steps
     allowance_s = timeout_s + 2 * steps * slowest_s
     step_times = time_steps(
         step, run.measure.repeats, steps, device, lambda r: arm(f"timed repeat {r}", allowance_s)
     )
-    on_cuda = device.type == "cuda"
+    after = _allocator_counts(device)
     allocated = torch.cuda.max_memory_allocated(device) if on_cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if on_cuda else None
     if profiled is None:
@@ -87,7 +87,42 @@ def measure_steps(
         profiled = profile()
     if watchdog is not None:
         watchdog.disarm()
-    return StepMeasurements(warmup_s, step_times, profiled, allocated, reserved)
+    return StepMeasurements(
+        warmup_s,
+        step_times,
+        profiled,
+        allocated,
+        reserved,
+        num_alloc_retries=after[0] - before[0] if on_cuda else None,
+        num_ooms=after[1] - before[1] if on_cuda else None,
+    )
+
+
+def _warm_up(
+    step: Callable[[], None],
+    steps: int,
+    device: torch.device,
+    arm: Callable[[str, float], None],
+    timeout_s: float,
+) -> tuple[float, float]:
+    """(seconds for all warm-up steps, the slowest one's), each step synchronised."""
+    slowest_s = 0.0
+    start = time.perf_counter()
+    for index in range(steps):
+        arm(f"warm-up step {index + 1}", timeout_s)
+        began = time.perf_counter()
+        step()
+        synchronize(device)
+        slowest_s = max(slowest_s, time.perf_counter() - began)
+    return time.perf_counter() - start, slowest_s
+
+
+def _allocator_counts(device: torch.device) -> tuple[int, int]:
+    """The caching allocator's cumulative (alloc retries, OOMs) on CUDA; zeros elsewhere."""
+    if device.type != "cuda":
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0))
 
 
 def _no_watchdog(phase: str, allowance_s: float) -> None:

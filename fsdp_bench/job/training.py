@@ -47,6 +47,23 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def set_fp32_matmul(run: RunConfig, device: torch.device) -> None:
+    """TF32 or full fp32 matmuls on CUDA, as the run asks. Through the one public setting,
+    `torch.set_float32_matmul_precision`, which torch >= 2.9 maps onto its per-backend
+    `fp32_precision` without mixing in the legacy `allow_tf32` flags (mixing them raises)."""
+    if device.type == "cuda":
+        precision = "high" if run.train.fp32_matmul == "tf32" else "highest"
+        torch.set_float32_matmul_precision(precision)
+
+
+def fp32_matmul_precision() -> str:
+    """What fp32 matmuls run as now: highest (full fp32), high (TF32) or medium (bf16)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # a mix of the new and legacy settings made elsewhere
+        return "unknown"
+
+
 def build_optimizer(model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
     """Created after sharding, so it holds (and updates) the local shards only."""
     params = model.parameters()

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.failures import Terminated, classify, fail, mark_started, note_failure
 from fsdp_bench.job.measure import profile_step
-from fsdp_bench.job.models import build_model
+from fsdp_bench.job.models import attention_backend, build_model
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import check_parity
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result
@@ -42,7 +42,12 @@ from fsdp_bench.job.rendezvous import (
     rank_info,
 )
 from fsdp_bench.job.timing import GRACE_S, measure_steps
-from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.job.training import (
+    build_optimizer,
+    make_train_step,
+    rank_batches,
+    set_fp32_matmul,
+)
 from fsdp_bench.job.watchdog import Watchdog
 from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
 
@@ -210,6 +215,9 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         parity = asdict(check_parity(run, mesh, device, rank))
         _release(device)
 
+    on_cuda = device.type == "cuda"
+    allocated_at_start = torch.cuda.memory_allocated(device) if on_cuda else None
+    set_fp32_matmul(run, device)
     start = time.perf_counter()
     torch.manual_seed(run.data.seed)
     bundle = build_model(run.model)
@@ -245,8 +253,21 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         warmup_s=measured.warmup_s,
         cuda_peak_allocated_bytes=measured.cuda_peak_allocated_bytes,
         cuda_peak_reserved_bytes=measured.cuda_peak_reserved_bytes,
+        allocated_at_start_bytes=allocated_at_start,
+        num_alloc_retries=measured.num_alloc_retries,
+        num_ooms=measured.num_ooms,
+        device_index=device.index,
+        sdpa_backend=_sdpa_backend(run, device),
         parity=parity,
     )
+
+
+def _sdpa_backend(run: RunConfig, device: torch.device) -> str | None:
+    """The attention kernel of a preset model in the run's compute dtype."""
+    if run.model.is_user_model:
+        return None
+    dtype = torch.bfloat16 if run.fsdp.mixed_precision == "bf16" else torch.float32
+    return attention_backend(run.model.shape, run.data.seq_len, dtype, device)
 
 
 def _already_recorded(run: RunConfig, context: JobContext) -> bool:
@@ -274,9 +295,13 @@ def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
 
 
 def _release(device: torch.device) -> None:
-    """Free what the last run built, so the next one starts from the same state."""
+    """Free what the last run built, so the next one starts from the same state (checked:
+    each record carries the memory still allocated when its run began)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
+        if empty_host_cache is not None:
+            empty_host_cache()  # pinned host blocks (CPU offload's buffers)
         torch.cuda.reset_peak_memory_stats(device)

@@ -17,15 +17,21 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.failures import classify_text
 from fsdp_bench.job.worker import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
+from fsdp_bench.launch.verdicts import (
+    REQUEUED_STATUSES,
+    Verdict,
+    classify_failure,
+    explain_from_logs,
+    read_notes,
+)
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
 
 # A job that ends without starting its next run is retried this many times before the run is
@@ -36,18 +42,6 @@ MAX_ATTEMPTS = 3
 FAILURE_GRACE_S = 5.0
 # sacct may not know a job for a few seconds after squeue forgot it.
 UNKNOWN_GRACE_S = 60.0
-
-# Scheduler end states that explain a run's end better than its ranks' last words.
-SCHEDULER_VERDICTS: dict[str, tuple[str, str]] = {
-    "TIMEOUT": ("timeout", "Slurm TIMEOUT: the job reached its time limit (launcher.timeout_min)"),
-    "CANCELLED": ("cancelled", "the job was cancelled (scancel) while this run was executing"),
-    "OUT_OF_MEMORY": ("oom", "the node ran out of host memory (Slurm OUT_OF_MEMORY)"),
-    "NODE_FAIL": ("node_fail", "a node of the job failed (Slurm NODE_FAIL)"),
-    "PREEMPTED": ("preempted", "the job was preempted (Slurm PREEMPTED)"),
-    "BOOT_FAIL": ("error", "a node failed to boot (Slurm BOOT_FAIL)"),
-    "DEADLINE": ("timeout", "the job reached its deadline (Slurm DEADLINE)"),
-}
-REQUEUED_STATUSES = ("preempted", "node_fail")
 
 
 @dataclass
@@ -215,7 +209,7 @@ class Driver:
             limit = self.spec.launcher.run_timeout_s
             if now - started.stat().st_mtime > limit:
                 item.cancel_reason = f"run exceeded launcher.run_timeout_s ({limit:g} s)"
-            failed = [n for n in _read_notes(inflight) if n["class"] in ("oom", "error", "timeout")]
+            failed = [n for n in read_notes(inflight) if n["class"] in ("oom", "error", "timeout")]
             notes = [inflight / f"rank{n['rank']}.json" for n in failed]
             if notes and now - max(n.stat().st_mtime for n in notes) > FAILURE_GRACE_S:
                 item.cancel_reason = "ranks that did not fail were stuck after a rank failed"
@@ -236,7 +230,7 @@ class Driver:
                 remaining.append(run)
                 continue
             progressed = True
-            verdict = classify_failure(_read_notes(inflight), item.cancel_reason, state)
+            verdict = classify_failure(read_notes(inflight), item.cancel_reason, state)
             limit = self.spec.launcher.requeue_limit
             if verdict.status in REQUEUED_STATUSES and self.interruptions[run.run_id] < limit:
                 self.interruptions[run.run_id] += 1
@@ -301,79 +295,6 @@ def pack_runs(runs: list[RunConfig], launcher: LauncherConfig) -> list[list[RunC
 
 def _shape(runs: list[RunConfig]) -> tuple[int, int]:
     return runs[0].world_size, runs[0].nodes
-
-
-class Verdict(NamedTuple):
-    """A failed run's status and reason."""
-
-    status: str
-    reason: str
-    unexplained: bool = False
-    """No rank said why: the reason is only what was seen, and the logs should be added."""
-
-
-def classify_failure(notes: list[dict[str, Any]], cancel_reason: str, state: str) -> Verdict:
-    """The run's status and reason; the root cause wins over its echoes.
-
-    A rank's OOM or error makes its peers fail too (timeouts, closed connections): those are
-    not the cause, so oom > error > timeout among the notes. When the driver stopped the job,
-    the notes explain why; otherwise a scheduler verdict (time limit, scancel, host OOM, node
-    failure, preemption) explains the notes.
-    """
-    by_rank = sorted(notes, key=lambda n: n["rank"])
-
-    def root_cause() -> Verdict | None:
-        for wanted in ("oom", "error", "timeout"):
-            for note in by_rank:
-                if note["class"] == wanted:
-                    where = f"rank {note['rank']} ({note['hostname']})"
-                    return Verdict(wanted, f"{where}: {note['message']}")
-        return None
-
-    if cancel_reason:
-        return root_cause() or Verdict("timeout", cancel_reason)
-    if state in SCHEDULER_VERDICTS:
-        return Verdict(*SCHEDULER_VERDICTS[state])
-    cause = root_cause()
-    if cause:
-        return cause
-    seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in by_rank) or "no rank reported"
-    reason = f"a rank ended without a report ({seen}; job state {state})"
-    return Verdict("error", reason, unexplained=True)
-
-
-def explain_from_logs(verdict: Verdict, tails: list[str]) -> Verdict:
-    """A silent failure read from the ranks' logs: a line such as NCCL's "Watchdog caught
-    collective operation timeout" (the process aborted from NCCL's thread, no note written)
-    or a CUDA out-of-memory makes the run `timeout` or `oom`; the tails are kept either way."""
-    found = [
-        (rank, line.strip())
-        for rank, tail in enumerate(tails)
-        for line in tail.splitlines()
-        if classify_text(line) in ("timeout", "oom")
-    ]
-    logs = "\n".join(f"rank {rank} log tail:\n{tail}" for rank, tail in enumerate(tails))
-    if not found:
-        return verdict._replace(reason=f"{verdict.reason}\n{logs}")
-    rank, line = found[0]
-    return Verdict(classify_text(line), f"rank {rank} (from its log): {line}\n{logs}")
-
-
-def _read_notes(inflight: Path) -> list[dict[str, Any]]:
-    """The ranks' failure notes of the run's latest attempt (a requeued job starts over)."""
-    try:
-        attempt = json.loads((inflight / "started.json").read_text())["attempt"]
-    except (OSError, ValueError, KeyError):
-        attempt = None
-    notes = []
-    for path in inflight.glob("rank*.json"):
-        try:
-            note = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if attempt is None or note.get("attempt") == attempt:
-            notes.append(note)
-    return notes
 
 
 class Ledger:
