@@ -48,7 +48,9 @@ class LauncherConfig:
     cluster: str | None = None
     """Slurm: a profile, slurm/clusters/<cluster>.yaml, whose settings this section extends."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: CUDA when available (one GPU per local rank, NCCL), else CPU (gloo)."""
+    """auto: locally, CUDA when available (one GPU per local rank, NCCL), else CPU (gloo); on
+    Slurm, CUDA exactly when gpus_per_node asks for GPUs (a node's GPUs are only usable where
+    the job requested them)."""
     cpu_threads_per_rank: int | None = None
     """torch threads per rank on CPU; None: the CPUs Slurm gave the task, else the machine's
     cores divided among the ranks on it."""
@@ -117,6 +119,33 @@ class LauncherConfig:
                     )
             return
         self._check_slurm_values()
+        self._check_slurm_gpus()
+
+    def _check_slurm_gpus(self) -> None:
+        """One GPU per rank, requested from Slurm: without --gpus-per-node a cluster that
+        enforces GRES gives the job none, and it would run on CPU without a word."""
+        if self.device == "cuda" and self.gpus_per_node == 0:
+            raise bad_value(
+                "gpus_per_node",
+                0,
+                "device: cuda on Slurm needs the GPUs requested: set gpus_per_node "
+                "(one rank per GPU), or device: cpu",
+            )
+        ranks = self.processes_per_node
+        if self.gpus_per_node and ranks is not None and ranks > self.gpus_per_node:
+            raise bad_value(
+                "processes_per_node",
+                ranks,
+                f"at most gpus_per_node ({self.gpus_per_node}): one rank per GPU",
+            )
+
+    @property
+    def job_device(self) -> str:
+        """The device jobs are told to use: on Slurm, `auto` is decided here, by whether GPUs
+        are requested; locally each rank decides by what it sees."""
+        if self.kind == "slurm" and self.device == "auto":
+            return "cuda" if self.gpus_per_node else "cpu"
+        return self.device
 
     def _check_slurm_values(self) -> None:
         for key in ("partition", "account", "qos"):

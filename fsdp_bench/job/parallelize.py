@@ -61,10 +61,14 @@ def parallelize(
     materialize(model, device)
     init_weights(model)
     if run.strategy == "ddp":
+        # Stock DDP as users run it: the C++ reducer (its all-reduces pass through the
+        # dispatcher, where the profiled step counts them) and gradients kept as views of
+        # its buckets, so they are not held twice.
         ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
         )
-        _count_ddp_allreduce_through_dispatcher(ddp)
         return ddp, plan
     return model, plan
 
@@ -264,11 +268,3 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device)
     for sub, name, owner, owner_name in ties:
         setattr(sub, name, getattr(owner, owner_name))
-
-
-def _count_ddp_allreduce_through_dispatcher(ddp: DistributedDataParallel) -> None:
-    """DDP's built-in C++ all-reduce is invisible to dispatch modes; the Python default hook
-    does the same averaging all-reduce through `dist.all_reduce`, which collective counting sees."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    ddp.register_comm_hook(state=None, hook=allreduce_hook)

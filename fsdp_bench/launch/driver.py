@@ -166,7 +166,7 @@ class Driver:
         return JobSpec(
             runs=tuple(runs),
             results_dir=str(self.store.root.resolve()),
-            device=launcher.device,
+            device=launcher.job_device,
             cpu_threads_per_rank=launcher.cpu_threads_per_rank,
             collective_timeout_s=launcher.collective_timeout_s,
             verify=self.verify,

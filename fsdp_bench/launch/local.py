@@ -69,6 +69,12 @@ class LocalLauncher:
                     f"world_size: {world_size} is not allowed; this machine has {available} GPUs "
                     "(one rank per GPU)"
                 )
+            if self.max_jobs_in_flight > 1:  # every local job's ranks take GPUs 0..W-1
+                raise ConfigError(
+                    f"launcher.max_jobs_in_flight (or search.parallel): "
+                    f"{self.max_jobs_in_flight} is not allowed; local GPU jobs would share "
+                    "GPUs 0.. and time each other: 1, or a Slurm cluster"
+                )
 
     def submit(self, specs: list[JobSpec]) -> list[LocalJob]:
         return [self._submit_one(spec) for spec in specs]
