@@ -5,7 +5,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install quickstart test lint benchmarks clean
+.PHONY: install quickstart test test-fast lint benchmarks clean
 
 $(BIN)/fsdp-bench: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: lint
 	slurm/testbed/install.sh
 	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 	$(BIN)/python -m pytest
+
+# The edit loop's lane (under 3 minutes): lint, type-check, and the tests that need neither
+# the Slurm testbed, a browser, a GPU nor long multi-process runs (not marked slow, slurm or
+# gpu). `make test` still runs everything.
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow and not slurm and not gpu"
 
 benchmarks: install
 	$(BIN)/python benchmarks/harness_overhead.py

@@ -6,9 +6,14 @@
 2. Times the simulated estimate for Llama-3 1B, 8B and 70B shapes (bf16, block activation
    checkpointing, sequence 4096, micro-batch 1) at world sizes 8, 64 and 1,024 (target for 8B
    at 64 ranks: < 10 s), and once without extrapolation for 8B at 64 ranks.
+3. Extrapolation against full simulation, timed in the same run: four FSDP configurations of
+   a 24-block small model at 16 ranks (those of tests/test_estimate.py), each estimated with
+   extrapolation and without (the baseline), their wall times, the ratio full / extrapolated
+   (target: > 1) and the difference of the peaks (the test's bound: <= 1%).
 
     python benchmarks/estimate_accuracy.py
     python benchmarks/estimate_accuracy.py sweeps/quickstart.yaml --skip-timing
+    python benchmarks/estimate_accuracy.py --skip-accuracy --skip-timing   # 3. only
 """
 
 from __future__ import annotations
@@ -65,6 +70,35 @@ def timing() -> None:
     print(f"llama3-8b      64 {full.peak_bytes / 1024**3:18.2f} {full.wall_s:7.1f}  full")
 
 
+EXTRAPOLATED_CONFIGS = {
+    "default": FsdpConfig(),
+    "blocks:2 no-reshard": FsdpConfig(grouping="blocks:2", reshard_after_forward=False),
+    "root + block AC": FsdpConfig(grouping="root", activation_checkpointing="block"),
+    "prefetch 2 + bf16": FsdpConfig(prefetch=2, mixed_precision="bf16"),
+}
+
+
+def extrapolation_speedup() -> None:
+    print("\nsmall model, 24 blocks, 16 ranks: extrapolated vs full simulation (baseline)")
+    print(f"{'fsdp':20s} {'extrap s':>8s} {'full s':>7s} {'full/extrap':>11s} {'peak diff %':>11s}")
+    ratios = []
+    for label, fsdp in EXTRAPOLATED_CONFIGS.items():
+        run = RunConfig(
+            world_size=16,
+            model=ModelConfig(name="small", n_layers=24),
+            data=DataConfig(micro_batch_size=2, seq_len=256),
+            fsdp=fsdp,
+        )
+        fast, full = simulate(run), simulate(run, extrapolate=False)
+        ratios.append(full.wall_s / fast.wall_s)
+        diff = 100 * (fast.peak_bytes / full.peak_bytes - 1)
+        print(f"{label:20s} {fast.wall_s:8.2f} {full.wall_s:7.2f} {ratios[-1]:10.2f}x {diff:11.3f}")
+    print(
+        f"full / extrapolated: min {min(ratios):.2f}x, max {max(ratios):.2f}x (target > 1x; "
+        "both measured in this run)"
+    )
+
+
 def _big_run(name: str, world_size: int) -> RunConfig:
     return RunConfig(
         world_size=world_size,
@@ -77,11 +111,14 @@ def _big_run(name: str, world_size: int) -> RunConfig:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", nargs="?", default=str(REPO / "sweeps" / "quickstart.yaml"))
-    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-accuracy", action="store_true", help="skip 1. (runs a sweep)")
+    parser.add_argument("--skip-timing", action="store_true", help="skip 2. (Llama shapes)")
     args = parser.parse_args()
-    accuracy(Path(args.grid))
+    if not args.skip_accuracy:
+        accuracy(Path(args.grid))
     if not args.skip_timing:
         timing()
+    extrapolation_speedup()
     return 0
 
 

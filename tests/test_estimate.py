@@ -58,7 +58,7 @@ def test_extrapolation_matches_full_simulation() -> None:
         fast, full = simulate(run), simulate(run, extrapolate=False)
         assert fast.method.startswith("extrapolated") and full.method == "full"
         assert fast.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01), fsdp
-        assert fast.wall_s < full.wall_s
+        # How much faster extrapolating is: benchmarks/estimate_accuracy.py (not a test assert).
 
 
 def test_estimates_at_world_sizes_beyond_this_machine() -> None:
@@ -112,5 +112,5 @@ def test_estimate_command(tmp_path: Path) -> None:
         subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout
     )
     assert [r["predicted_oom"] for r in rows] == ["", ""]
-    assert all(r["simulated_gib"] > 0 and r["breakdown_gib"] for r in rows)
+    assert all(r["estimated_peak_gib"] > 0 and r["breakdown_gib"] for r in rows)
     assert pd.Series([r["run_id"] for r in rows]).is_unique

@@ -22,11 +22,12 @@ from fsdp_bench import load_results
 from fsdp_bench.cli.main import main
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.report import summaries
-from fsdp_bench.report.build import build_report
+from fsdp_bench.report import configs, figure_data, summaries, tables
+from fsdp_bench.report.build import build_report, markdown_summary
 from fsdp_bench.report.compare import compare_results
 from fsdp_bench.report.figures import FIGURES
-from fsdp_bench.store import ResultStore, RunResult
+from fsdp_bench.report.html import Document, Section
+from fsdp_bench.store import FAULT_COLUMNS, MODEL_COLUMNS, ResultStore, RunResult
 
 # --- a hand-built results folder: failures in some cells, cells missing -----------------------
 
@@ -146,7 +147,7 @@ def test_scaling_efficiency_relative_to_the_smallest_world_size(
     assert got == pytest.approx(
         {("block", 1): 1.0, ("block", 2): 0.9, ("root", 1): 1.0, ("root", 2): 1000 / 1200}
     )
-    assert table.loc[table["world_size"] == 2, "tokens_per_s_per_gpu"].tolist() == [900, 1000]
+    assert table.loc[table["world_size"] == 2, "tokens_per_s_per_rank"].tolist() == [900, 1000]
 
 
 def test_pareto_front_and_best_so_far(hand_built: tuple[Path, dict[str, str]]) -> None:
@@ -182,6 +183,183 @@ def test_compare_matches_configurations_and_divides_b_by_a(
     assert by_a.loc[ids["w2_root"], "status_b"] == "oom"
     assert math.isnan(by_a.loc[ids["w2_root"], "tokens_per_s_ratio"])
     assert len(table) == 11 and table["run_id_a"].isna().sum() == 1
+
+
+def test_effect_axes_are_the_configuration_less_model_scale_and_faults() -> None:
+    assert configs.EFFECT_AXES[0] == "strategy" and "grouping" in configs.EFFECT_AXES
+    left_out = {*configs.SCALE_COLUMNS, *MODEL_COLUMNS, *FAULT_COLUMNS}
+    assert not left_out & set(configs.EFFECT_AXES)
+
+
+def test_at_baseline_keeps_the_slice_where_only_free_axes_vary() -> None:
+    df = pd.DataFrame(
+        {
+            "world_size": [1, 2, 2, 2, 2],
+            "strategy": ["fsdp"] * 5,
+            "grouping": ["block", "block", "root", "block", "block"],
+            "reshard_after_forward": ["default", "default", "default", True, "default"],
+            "mixed_precision": ["fp32", "fp32", "fp32", "fp32", "bf16"],
+        }
+    )
+    # world size is not an effect axis: both world sizes stay
+    assert configs.at_baseline(df, []).index.tolist() == [0, 1]
+    assert configs.at_baseline(df, ["grouping"]).index.tolist() == [0, 1, 2]
+    assert configs.at_baseline(df, ["grouping", "mixed_precision"]).index.tolist() == [0, 1, 2, 4]
+    assert configs.at_baseline(df.iloc[0:0], []).empty
+
+
+def test_grouping_order_is_coarse_to_fine() -> None:
+    values = pd.Series(["linear", "block", "root", "blocks:2", "blocks:4", "custom", "root"])
+    order = ["root", "blocks:4", "blocks:2", "block", "linear", "custom"]
+    assert figure_data.grouping_order(values) == order
+
+
+def test_grouping_samples_one_row_per_repeat(hand_built: tuple[Path, dict[str, str]]) -> None:
+    samples = figure_data.grouping_samples(load_results(hand_built[0]))
+    assert len(samples) == 5 * 3  # five FSDP runs finished ok, three repeats each
+    block = samples[samples["run_id"] == hand_built[1]["w2_block"]]
+    assert block["tokens_per_s_sample"].tolist() == pytest.approx([2000.0, 1800.0, 1800 / 1.1])
+    assert set(samples["reshard_after_forward"]) == {"default", "true"}
+    assert block["world size"].tolist() == [2, 2, 2]
+
+
+def test_collective_counts_in_calls_and_mib() -> None:
+    mib = 2**20
+    df = pd.DataFrame(
+        {
+            "all_gathers_per_step": [9, 4],
+            "all_gather_bytes_per_step": [3 * mib, 2 * mib],
+            "reduce_scatters_per_step": [9.0, math.nan],
+            "reduce_scatter_bytes_per_step": [6 * mib, math.nan],
+        },
+        index=[10, 11],
+    )
+    long = figure_data.collective_counts(df, pd.Series(["block", "root"], index=df.index))
+    assert long.to_dict("records") == [
+        {"x": "block", "collective": "all-gather", "calls per step": 9.0, "MiB per step": 3.0},
+        {"x": "block", "collective": "reduce-scatter", "calls per step": 9.0, "MiB per step": 6.0},
+        {"x": "root", "collective": "all-gather", "calls per step": 4.0, "MiB per step": 2.0},
+    ]
+
+
+def test_collective_panels_at_the_largest_world_size(
+    hand_built: tuple[Path, dict[str, str]],
+) -> None:
+    df = load_results(hand_built[0])
+    runs = figure_data.collective_runs(df)
+    assert set(runs["world_size"]) == {2} and len(runs) == 3  # world size 4 never finished
+    panels = figure_data.collective_panels(runs)
+    assert [label for label, _ in panels] == ["grouping"]  # accumulation never varies
+    long = panels[0][1]
+    assert list(long["x"].cat.categories) == ["root", "block"]
+    assert long["x"].tolist() == ["block", "root"]  # at the baseline: reshard=default
+    assert long["calls per step"].tolist() == [9.0, 9.0]
+    assert long["MiB per step"].tolist() == [0.0, 0.0]  # no bytes recorded
+    one_rank = df[df["world_size"] == 1]
+    assert figure_data.collective_runs(one_rank).empty
+
+
+def test_pareto_listing_and_unmeasured_runs(hand_built: tuple[Path, dict[str, str]]) -> None:
+    root, ids = hand_built
+    df = load_results(root)
+    listing = figure_data.pareto_listing(figure_data.measured_runs(df))
+    assert listing["run_id"].tolist() == [ids["w2_block_true"], ids["w2_block"], ids["w2_root"]]
+    assert listing["listing"].tolist() == [
+        "1: W=2, block, reshard=true",
+        "2: W=2, block",
+        "3: W=2, root",
+    ]
+    unmeasured = figure_data.unmeasured_runs(df)["run_id"]
+    assert sorted(unmeasured) == sorted([ids["w2_root_true"], ids["w2_linear"]])
+
+
+def test_memory_breakdown_rows_and_parts(hand_built: tuple[Path, dict[str, str]]) -> None:
+    runs = figure_data.breakdown_runs(load_results(hand_built[0]))
+    assert runs["label"].tolist() == [
+        "W=1: block",
+        "W=1: root",
+        "W=2: block, reshard=true",
+        "W=2: block",
+        "W=2: root",
+    ]
+    hand = pd.DataFrame(
+        {
+            "label": ["a", "b"],
+            "memory_breakdown_gib": [
+                {"parameter": 1.0, "activation": 4.0},
+                {"parameter": 2.0, "gradient": 0.5},
+            ],
+        }
+    )
+    parts = figure_data.memory_parts(hand)
+    assert list(parts.columns) == ["activation", "parameter", "gradient"]  # largest first
+    assert parts.to_dict("index") == {
+        "a": {"activation": 4.0, "parameter": 1.0, "gradient": 0.0},
+        "b": {"activation": 0.0, "parameter": 2.0, "gradient": 0.5},
+    }
+
+
+def test_comparison_long_keeps_configurations_ok_in_both() -> None:
+    table = pd.DataFrame(
+        {
+            "config": ["block", "root"],
+            "world_size": [2, 2],
+            "tokens_per_s_a": [100.0, 200.0],
+            "tokens_per_s_b": [150.0, math.nan],
+            "peak_memory_gib_a": [1.0, 2.0],
+            "peak_memory_gib_b": [0.5, math.nan],
+        }
+    )
+    long = figure_data.comparison_long(table, ("A", "B"))
+    assert long.to_dict("records") == [
+        {"configuration": "W=2: block", "results": "A", "tokens/s": 100.0, "peak GiB": 1.0},
+        {"configuration": "W=2: block", "results": "B", "tokens/s": 150.0, "peak GiB": 0.5},
+    ]
+
+
+def test_terminal_ranking_uses_the_report_headers_and_ddp_dashes() -> None:
+    df = pd.DataFrame(
+        {
+            "run_id": ["a", "b", "c"],
+            "status": ["ok", "ok", "oom"],
+            "world_size": [2, 2, 2],
+            "strategy": ["fsdp", "ddp", "fsdp"],
+            "grouping": ["root", "block", "block"],
+            "tokens_per_s": [1000.0, 2000.0, math.nan],
+            "peak_memory_gib": [1.5, 2.25, math.nan],
+        }
+    )
+    lines = [line.split() for line in tables.format_ranking(tables.ranking(df)).splitlines()]
+    assert lines == [
+        ["run_id", "strategy", "grouping", "tokens/s", "peak", "GiB/rank", "status"],
+        ["b", "ddp", "-", "2,000", "2.250", "ok"],
+        ["a", "fsdp", "root", "1,000", "1.500", "ok"],
+        ["c", "fsdp", "block", "-", "-", "oom"],
+    ]
+    assert tables.shown(df).columns[-1] == "peak GiB/rank"  # the same header in the report
+    assert tables.format_ranking(tables.ranking(df, [])) == "(no runs)"
+
+
+def test_summary_md_repeats_the_sections_marked_for_it() -> None:
+    table = pd.DataFrame({"x": ["1"]})
+    doc = Document(
+        title="t",
+        subtitle="s",
+        headline="",
+        sections=[
+            Section("Comparison: not marked", "left out", [("", table)]),
+            Section("Marked", "kept", [("", table)], in_summary=True),
+        ],
+        provenance=dict.fromkeys(
+            ["torch version", "devices", "hosts", "first run started", "last run finished"], "-"
+        )
+        | {"grid file": "-"},
+    )
+    empty = pd.DataFrame()
+    best = pd.DataFrame(columns=["world_size", "run_id", "note"])
+    effects = summaries.axis_effects(pd.DataFrame())
+    md = markdown_summary(doc, best, effects, empty, [])
+    assert "## Marked\n\nkept\n\n| x |" in md and "left out" not in md
 
 
 def test_report_of_a_table_with_failures(hand_built: tuple[Path, dict[str, str]]) -> None:

@@ -253,7 +253,7 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
 
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
-    from fsdp_bench.report.ranking import format_ranking, ranking
+    from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.store import load_results
 
     table = ranking(load_results(results_dir), run_ids)

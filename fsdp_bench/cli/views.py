@@ -117,7 +117,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
     """Counts, the best feasible configuration (YAML and fully_shard calls), the top runs,
     and the Pareto front when two objectives were searched."""
     from fsdp_bench.cli.codegen import fully_shard_code
-    from fsdp_bench.report.ranking import format_ranking, ranking
+    from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.search import best_feasible, pareto_trials
     from fsdp_bench.store import load_results
 

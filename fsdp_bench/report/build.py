@@ -11,7 +11,7 @@ import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import yaml
@@ -21,11 +21,16 @@ from fsdp_bench.errors import FsdpBenchError, ResultsError
 from fsdp_bench.report import compare as comparing
 from fsdp_bench.report import figures as figs
 from fsdp_bench.report import html as html_report
+from fsdp_bench.report import memory_figures, summaries
 from fsdp_bench.report import search_figures as study_figures
 from fsdp_bench.report import study as study_data
-from fsdp_bench.report import summaries
 from fsdp_bench.report import tables as report_tables
+from fsdp_bench.report.canvas import Canvas, Figure
+from fsdp_bench.report.configs import SCALE_COLUMNS, config_columns, describe_config, varying
 from fsdp_bench.store import load_results, write_atomic
+
+if TYPE_CHECKING:
+    import optuna
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class ReportOutcome:
     """Everything written: report.html, summary.md, then the figure files."""
     headline: str
     best: pd.DataFrame
-    figures: list[figs.Figure] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
 
 
 def read_grid(results_dir: Path) -> GridInfo:
@@ -90,6 +95,51 @@ def load(results_dir: Path) -> pd.DataFrame:
     return df
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What a report is built from: the runs, their grid, a search's study and the budget."""
+
+    results_dir: Path
+    df: pd.DataFrame
+    grid: GridInfo
+    budget_gib: float | None
+    """--budget-gib, else the search's, else the grid's."""
+    study: optuna.Study | None = None
+    compare: Path | None = None
+    other: pd.DataFrame | None = None
+    """The runs of the folder compared with, if any."""
+
+    @property
+    def limit_gib(self) -> float | None:
+        """The most a run may peak at to fit: the budget less the grid's margin."""
+        return None if self.budget_gib is None else self.budget_gib - self.grid.margin_gib
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The two folders as the comparison names them (full paths when the names clash)."""
+        names = (self.results_dir.name, self.compare.name if self.compare is not None else "")
+        return (str(self.results_dir), str(self.compare)) if names[0] == names[1] else names
+
+
+def load_inputs(
+    results_dir: Path, compare: Path | None, budget_gib: float | None, storage: str | None
+) -> Inputs:
+    """The runs (and those compared with), the grid and, for a search, its study, whose
+    budget and metric (overrides included) replace the grid's."""
+    df = load(results_dir)
+    other = load(compare) if compare is not None else None
+    grid = read_grid(results_dir)
+    study = study_storage.load_study(results_dir, grid.name, storage)
+    if study is not None:
+        grid = dataclasses.replace(
+            grid,
+            budget_gib=study.user_attrs.get("budget_gib", grid.budget_gib),
+            metric=study.user_attrs.get("metric", grid.metric),
+        )
+    budget = budget_gib if budget_gib is not None else grid.budget_gib
+    return Inputs(results_dir, df, grid, budget, study, compare, other)
+
+
 def build_report(
     results_dir: Path,
     *,
@@ -100,97 +150,23 @@ def build_report(
     storage: str | None = None,
 ) -> ReportOutcome:
     """Write the report folder (default `<results>/report`) and say what was written."""
-    df = load(results_dir)
-    other = load(compare) if compare is not None else None
-    grid = read_grid(results_dir)
-    study = study_storage.load_study(results_dir, grid.name, storage)
-    if study is not None:  # a search: the budget and metric it ran with, overrides included
-        grid = dataclasses.replace(
-            grid,
-            budget_gib=study.user_attrs.get("budget_gib", grid.budget_gib),
-            metric=study.user_attrs.get("metric", grid.metric),
-        )
-    budget = budget_gib if budget_gib is not None else grid.budget_gib
+    inputs = load_inputs(results_dir, compare, budget_gib, storage)
+    df = inputs.df
     out = out or results_dir / "report"
     _clear_figures(out)
-    canvas = figs.Canvas(out=out, subject=summaries.subject(df), svg=svg)
-
-    limit = None if budget is None else budget - grid.margin_gib
-    best = summaries.best_per_world_size(df, limit)
-    headline = headline_text(df, best)
-    budget_text = (
-        f"Fastest run per world size that finished ok within the {budget:g} GiB per rank "
-        "budget (the grid's memory.budget_gib, or --budget-gib)"
-        + (f" less its {grid.margin_gib:g} GiB margin." if grid.margin_gib else ".")
-        if budget is not None
-        else "Fastest run per world size that finished ok. No memory budget: the results "
-        "folder's grid.yaml sets no memory.budget_gib; pass --budget-gib to apply one."
-    )
-    sections = [
-        html_report.Section(
-            "Best configuration per world size",
-            budget_text,
-            [("", report_tables.best_table(best))],
-        ),
-        html_report.Section(
-            "Runs by status", "", [("", report_tables.status_table(summaries.status_counts(df)))]
-        ),
-    ]
-    drawn = [
-        figs.throughput_by_grouping(df, canvas),
-        figs.memory_vs_throughput(df, canvas, budget),
-        figs.memory_breakdown(df, canvas, budget),
-        figs.collectives(df, canvas),
-    ]
-    sections.append(html_report.Section("Throughput and memory", "", figures=list(drawn)))
+    canvas = Canvas(out=out, subject=summaries.subject(df), svg=svg)
+    best = summaries.best_per_world_size(df, inputs.limit_gib)
     effects = summaries.axis_effects(df)
-    sections.append(
-        html_report.Section(
-            "Effect of each axis",
-            "tokens/s and peak memory relative to the axis's most common value, in runs equal "
-            "in every other setting (world size included): the median ratio over matched "
-            "pairs. Above 1× means faster or more memory.",
-            [("", report_tables.effects_table(effects))],
-        )
-    )
     scaling = summaries.scaling_efficiency(df)
-    scaling_figure = figs.scaling(df, canvas)
-    sections.append(
-        html_report.Section(
-            "Scaling",
-            scaling_figure.skipped and f"No scaling table: {scaling_figure.skipped}.",
-            [("", report_tables.scaling_table(scaling))] if not scaling.empty else [],
-            [scaling_figure],
-        )
-    )
-    drawn.append(scaling_figure)
-    if study is not None:
-        drawn += _search_section(study, canvas, sections, grid.metric)
-    names = (results_dir.name, compare.name if compare is not None else "")
-    if other is not None:
-        if names[0] == names[1]:
-            names = (str(results_dir), str(compare))
-        table = comparing.compare_results(df, other)
-        figure = figs.comparison(
-            table, figs.Canvas(out, f"{canvas.subject} | {summaries.subject(other)}", svg), names
-        )
-        drawn.append(figure)
-        matched = int((table["tokens_per_s_ratio"].notna()).sum())
-        medians = (
-            f" (median {table['tokens_per_s_ratio'].median():.2f}× tokens/s, "
-            f"{table['peak_memory_ratio'].median():.2f}× peak memory)"
-            if matched
-            else ""
-        )
-        sections.append(
-            html_report.Section(
-                f"Comparison: {names[0]} vs {names[1]}",
-                f"{matched} configurations ran ok in both; ratios are {names[1]} ÷ {names[0]}"
-                f"{medians}. A configuration in one folder only has an empty other side.",
-                [("", report_tables.compare_table(table, names))],
-                [figure],
-            )
-        )
+    sections, drawn = _measured_sections(inputs, canvas, best, effects, scaling)
+    if inputs.study is not None:
+        section, figures = _search_section(inputs.study, canvas, inputs.grid.metric)
+        sections.append(section)
+        drawn += figures
+    if inputs.other is not None:
+        section = _comparison_section(inputs, canvas)
+        sections.append(section)
+        drawn += section.figures
     sections.append(
         html_report.Section(
             "All runs",
@@ -198,35 +174,81 @@ def build_report(
             [("", report_tables.runs_table(df))],
         )
     )
-    provenance = {
-        "results folder": str(results_dir.resolve()),
-        "grid file": str(grid.path.resolve()) if grid.path else "- (no grid.yaml)",
-        "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
-        **summaries.provenance(df),
-        "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-    if other is not None and compare is not None:
-        provenance["compared with"] = str(compare.resolve())
-        provenance.update({f"{k} ({names[1]})": v for k, v in summaries.provenance(other).items()})
     doc = html_report.Document(
-        title=f"fsdp-bench report: {grid.name}",
+        title=f"fsdp-bench report: {inputs.grid.name}",
         subtitle=canvas.subject,
-        headline=headline,
+        headline=headline_text(df, best),
         sections=sections,
-        provenance=provenance,
-        grid_text=grid.text,
+        provenance=provenance_table(inputs),
+        grid_text=inputs.grid.text,
     )
     out.mkdir(parents=True, exist_ok=True)
     html_path, md_path = out / "report.html", out / "summary.md"
     write_atomic(html_path, html_report.render(doc))
     write_atomic(md_path, markdown_summary(doc, best, effects, scaling, drawn))
     files = [p for f in drawn for p in f.paths]
-    return ReportOutcome(out, [html_path, md_path, *files], headline, best, drawn)
+    return ReportOutcome(out, [html_path, md_path, *files], doc.headline, best, drawn)
+
+
+def _measured_sections(
+    inputs: Inputs,
+    canvas: Canvas,
+    best: pd.DataFrame,
+    effects: pd.DataFrame,
+    scaling: pd.DataFrame,
+) -> tuple[list[html_report.Section], list[Figure]]:
+    """What every results folder gets, in report order, and the figures drawn for it: best
+    per world size, runs by status, throughput and memory, effects, scaling."""
+    df, budget = inputs.df, inputs.budget_gib
+    drawn = [
+        figs.throughput_by_grouping(df, canvas),
+        memory_figures.memory_vs_throughput(df, canvas, budget),
+        memory_figures.memory_breakdown(df, canvas, budget),
+        figs.collectives(df, canvas),
+    ]
+    scaling_figure = figs.scaling(df, canvas)
+    status = report_tables.status_table(summaries.status_counts(df))
+    sections = [
+        html_report.Section(
+            "Best configuration per world size",
+            _budget_text(budget, inputs.grid.margin_gib),
+            [("", report_tables.best_table(best))],
+        ),
+        html_report.Section("Runs by status", "", [("", status)], in_summary=True),
+        html_report.Section("Throughput and memory", "", figures=list(drawn)),
+        html_report.Section(
+            "Effect of each axis",
+            "tokens/s and peak memory relative to the axis's most common value, in runs equal "
+            "in every other setting (world size included): the median ratio over matched "
+            "pairs. Above 1× means faster or more memory.",
+            [("", report_tables.effects_table(effects))],
+        ),
+        html_report.Section(
+            "Scaling",
+            scaling_figure.skipped and f"No scaling table: {scaling_figure.skipped}.",
+            [("", report_tables.scaling_table(scaling))] if not scaling.empty else [],
+            [scaling_figure],
+        ),
+    ]
+    return sections, [*drawn, scaling_figure]
+
+
+def _budget_text(budget: float | None, margin: float) -> str:
+    if budget is None:
+        return (
+            "Fastest run per world size that finished ok. No memory budget: the results "
+            "folder's grid.yaml sets no memory.budget_gib; pass --budget-gib to apply one."
+        )
+    return (
+        f"Fastest run per world size that finished ok within the {budget:g} GiB per rank "
+        "budget (the grid's memory.budget_gib, or --budget-gib)"
+        + (f" less its {margin:g} GiB margin." if margin else ".")
+    )
 
 
 def _search_section(
-    study: Any, canvas: figs.Canvas, sections: list[html_report.Section], metric: str
-) -> list[figs.Figure]:
+    study: optuna.Study, canvas: Canvas, metric: str
+) -> tuple[html_report.Section, list[Figure]]:
     trials = study_data.trial_table(study)
     progress = study_figures.search_progress(trials, canvas, metric, study_data.maximizes(study))
     found, why = study_data.importances(study)
@@ -239,13 +261,54 @@ def _search_section(
         + ", ".join(f"{n} {str(state).lower()}" for state, n in counts.items())
         + f"); {int(trials['feasible'][trials['state'].eq('COMPLETE')].sum())} feasible."
     )
-    sections.append(html_report.Section("Search", text, figures=[progress, importance]))
-    return [progress, importance]
+    figures = [progress, importance]
+    return html_report.Section("Search", text, figures=figures), figures
+
+
+def _comparison_section(inputs: Inputs, canvas: Canvas) -> html_report.Section:
+    """The same configurations in both folders: ratios B / A as a table and a figure."""
+    assert inputs.other is not None
+    names = inputs.names
+    table = comparing.compare_results(inputs.df, inputs.other)
+    subject = f"{canvas.subject} | {summaries.subject(inputs.other)}"
+    figure = figs.comparison(table, Canvas(canvas.out, subject, canvas.svg), names)
+    matched = int((table["tokens_per_s_ratio"].notna()).sum())
+    medians = (
+        f" (median {table['tokens_per_s_ratio'].median():.2f}× tokens/s, "
+        f"{table['peak_memory_ratio'].median():.2f}× peak memory)"
+        if matched
+        else ""
+    )
+    return html_report.Section(
+        f"Comparison: {names[0]} vs {names[1]}",
+        f"{matched} configurations ran ok in both; ratios are {names[1]} ÷ {names[0]}"
+        f"{medians}. A configuration in one folder only has an empty other side.",
+        [("", report_tables.compare_table(table, names))],
+        [figure],
+        in_summary=True,
+    )
+
+
+def provenance_table(inputs: Inputs) -> dict[str, str]:
+    """Where the runs came from and when the report was written, both folders when compared."""
+    grid, budget = inputs.grid, inputs.budget_gib
+    table = {
+        "results folder": str(inputs.results_dir.resolve()),
+        "grid file": str(grid.path.resolve()) if grid.path else "- (no grid.yaml)",
+        "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
+        **summaries.provenance(inputs.df),
+        "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if inputs.other is not None and inputs.compare is not None:
+        table["compared with"] = str(inputs.compare.resolve())
+        other = summaries.provenance(inputs.other)
+        table.update({f"{k} ({inputs.names[1]})": v for k, v in other.items()})
+    return table
 
 
 def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
     """One sentence per world size: the best configuration spelled out and its numbers."""
-    columns = summaries.varying(df, summaries.config_columns(df, summaries.SCALE_COLUMNS))
+    columns = varying(df, config_columns(df, SCALE_COLUMNS))
     by_id = df.drop_duplicates("run_id").set_index("run_id")
     lines = []
     for _, row in best.iterrows():
@@ -255,7 +318,7 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
             continue
         run = by_id.loc[str(row["run_id"])]
         assert isinstance(run, pd.Series)
-        config = summaries.describe(run, columns) or "the only configuration"
+        config = describe_config(run, columns) or "the only configuration"
         lines.append(
             f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
             f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']})."
@@ -268,7 +331,7 @@ def markdown_summary(
     best: pd.DataFrame,
     effects: pd.DataFrame,
     scaling: pd.DataFrame,
-    drawn: list[figs.Figure],
+    drawn: list[Figure],
 ) -> str:
     """The part of the report worth pasting: best configuration, the key tables, figures by
     relative path, provenance in one line."""
@@ -281,10 +344,9 @@ def markdown_summary(
     if not scaling.empty:  # at the smallest world size every efficiency is 100% by definition
         beyond = scaling[scaling["world_size"] > scaling["world_size"].min()]
         lines += ["## Scaling efficiency", "", md(report_tables.scaling_table(beyond)), ""]
-    for section in doc.sections:
-        if section.title.startswith("Comparison") or section.title == "Runs by status":
-            lines += [f"## {section.title}", ""] + ([section.text, ""] if section.text else [])
-            lines += [md(t) for _, t in section.tables] + [""]
+    for section in [section for section in doc.sections if section.in_summary]:
+        lines += [f"## {section.title}", ""] + ([section.text, ""] if section.text else [])
+        lines += [md(t) for _, t in section.tables] + [""]
     lines += ["## Figures", ""]
     for figure in drawn:
         if figure.paths:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from fsdp_bench.report import summaries
+from fsdp_bench.report.configs import config_columns, config_keys, config_labels, varying
 
 
 def compare_results(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
@@ -37,10 +37,10 @@ def compare_results(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     both = pd.concat([a.assign(_side="a"), b.assign(_side="b")], ignore_index=True)
     if both.empty:
         return pd.DataFrame(columns=columns)
-    identity = summaries.config_columns(both)
-    both["_k"] = summaries.config_keys(both, identity)
-    shown = [c for c in summaries.varying(both, identity) if c != "world_size"]
-    both["config"] = summaries.config_labels(both, shown)
+    identity = config_columns(both)
+    both["_k"] = config_keys(both, identity)
+    shown = [c for c in varying(both, identity) if c != "world_size"]
+    both["config"] = config_labels(both, shown)
     sides = {}
     for side in "ab":
         rows = both[both["_side"] == side]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from fsdp_bench.report.figures import Figure
+from fsdp_bench.report.canvas import Figure
 
 
 @dataclass
@@ -20,6 +20,8 @@ class Section:
     text: str = ""
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
+    in_summary: bool = False
+    """Repeated in summary.md, which holds only what is worth pasting into a design doc."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pandas as pd
 import seaborn as sns
 
 from fsdp_bench.report import summaries
-from fsdp_bench.report.figures import FAILED_COLOR, Canvas, Figure, not_drawn, save_figure
+from fsdp_bench.report.canvas import FAILED_COLOR, Canvas, Figure, not_drawn, save_figure
 
 
 def search_progress(

@@ -7,128 +7,25 @@ failures in some cells) and returns an empty frame rather than raising when noth
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pandas as pd
 
-from fsdp_bench.errors import yaml_scalar
-
-# The configuration columns of a results row (the leaves of RunConfig), in reading order.
-CONFIG_COLUMNS = [
-    "model",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "tie_embeddings",
-    "options",
-    "world_size",
-    "processes_per_node",
-    "nodes",
-    "strategy",
-    "micro_batch_size",
-    "seq_len",
-    "grouping",
-    "reshard_after_forward",
-    "shard_group_size",
-    "prefetch",
-    "mixed_precision",
-    "cpu_offload",
-    "activation_checkpointing",
-    "accumulation_steps",
-    "grad_sync",
-    "optimizer",
-    "fault",
-    "fault_rank",
-]
-"""What identifies a configuration. Measurement settings (warm-up, timed steps, repeats),
-seed and learning rate are left out: they change how precisely a run is timed, not what runs,
-so two results folders measured differently still match."""
-
-SCALE_COLUMNS = ["world_size", "processes_per_node", "nodes"]
-"""How many GPUs and where: the axis of scaling, not of a configuration's identity."""
-
-EFFECT_AXES = [
-    c for c in CONFIG_COLUMNS[CONFIG_COLUMNS.index("strategy") :] if not c.startswith("fault")
-]
-"""Axes whose effect is measured holding the others fixed: the configuration from the strategy
-on (the model is what is trained, world size is scaling), less the injected faults."""
+from fsdp_bench.report.configs import (
+    EFFECT_AXES,
+    SCALE_COLUMNS,
+    baseline_value,
+    config_columns,
+    config_keys,
+    config_labels,
+    key,
+    ok_runs,
+    ordered_unique,
+    varying,
+)
 
 STATUS_CATEGORIES = ["ok", "oom", "skipped: predicted_oom", "error", "timeout", "cancelled"]
 """Always shown, in this order, even at zero; other statuses follow when present."""
-
-
-def key(value: Any) -> str:
-    """A hashable, comparable spelling of a cell (lists, dicts, None, NaN all included)."""
-    if hasattr(value, "item") and not isinstance(value, (list, dict)):
-        value = value.item()  # numpy scalars: np.True_ spells like True
-    if isinstance(value, float) and pd.isna(value):
-        return "null"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True, default=str)
-    return yaml_scalar(value)
-
-
-def config_columns(df: pd.DataFrame, exclude: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The configuration columns present in `df`, minus `exclude`."""
-    return [c for c in CONFIG_COLUMNS if c in df.columns and c not in exclude]
-
-
-def varying(df: pd.DataFrame, columns: list[str]) -> list[str]:
-    """Those of `columns` that take more than one value in `df`."""
-    return [c for c in columns if c in df.columns and df[c].map(key).nunique() > 1]
-
-
-def config_keys(df: pd.DataFrame, columns: list[str]) -> pd.Series:
-    """One string per row naming its configuration over `columns` (for matching rows)."""
-    if not columns:
-        return pd.Series("", index=df.index, dtype=object)
-    parts = [df[c].map(key) for c in columns]
-    joined = parts[0].astype(str)
-    for part in parts[1:]:
-        joined = joined + "|" + part.astype(str)
-    return joined
-
-
-def config_labels(df: pd.DataFrame, columns: list[str] | None = None) -> pd.Series:
-    """Short labels that say how each row differs from the common configuration.
-
-    Of the `columns` that vary (default: every configuration column), a row shows those
-    where it differs from the value most rows share, plus its grouping, which readers use
-    to find a configuration: "block", "root, reshard=true", "block, bf16", "ddp". DDP rows
-    leave out the FSDP-only axes, which DDP does not have.
-    """
-    if df.empty:
-        return pd.Series(dtype=object)
-    if columns is None:
-        columns = config_columns(df)
-    columns = varying(df, columns)
-    base = {c: key(baseline_value(df[c])) for c in columns}
-    fsdp_only = {"grouping", "reshard_after_forward", "prefetch", "cpu_offload", "shard_group_size"}
-    bare = {"grouping", "strategy", "model", "mixed_precision"}
-    short = {
-        "reshard_after_forward": "reshard",
-        "accumulation_steps": "accum",
-        "activation_checkpointing": "AC",
-        "cpu_offload": "offload",
-        "world_size": "W",
-        "micro_batch_size": "micro-batch",
-    }
-
-    def label(row: pd.Series) -> str:
-        ddp = row.get("strategy") == "ddp"
-        parts = []
-        for c in columns:
-            value = key(row[c])
-            if (ddp and c in fsdp_only) or (value == base[c] and c != "grouping"):
-                continue
-            parts.append(value if c in bare else f"{short.get(c, c)}={value}")
-        return ", ".join(parts) or "base"
-
-    return df.apply(label, axis=1)
 
 
 def status_category(status: str, reason: str) -> str:
@@ -209,16 +106,6 @@ def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFr
     return table[["world_size", "run_id", *shown, "tokens_per_s", "peak_memory_gib", "note"]]
 
 
-def baseline_value(values: pd.Series) -> Any:
-    """The value most runs share (the grid's base, in a one-knob-at-a-time sweep); ties go
-    to the value seen first."""
-    keys = values.map(key)
-    counts = keys.value_counts(sort=False)
-    top = counts.max()
-    first = next(k for k in keys if counts[k] == top)
-    return values[keys == first].iloc[0]
-
-
 def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
     """For each axis and each of its values: tokens/s and peak memory relative to the axis's
     baseline value, in runs identical in everything else (world size included).
@@ -234,7 +121,7 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
         "tokens_per_s_ratio",
         "peak_memory_ratio",
     ]
-    ok = df[df["status"].eq("ok") & df["tokens_per_s"].notna()] if not df.empty else df
+    ok = ok_runs(df)
     rows: list[dict[str, Any]] = []
     identity = config_columns(df)
     for axis in varying(ok, [c for c in EFFECT_AXES if c in df.columns]):
@@ -244,7 +131,7 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
         at_base = ok[values == key(base)].assign(_k=others[values == key(base)])
         at_base = at_base.groupby("_k")[["tokens_per_s", "peak_memory_gib"]].median()
         at_base = at_base.add_suffix("_base")
-        for value in _ordered_unique(ok[axis]):
+        for value in ordered_unique(ok[axis]):
             if key(value) == key(base):
                 continue
             mask = values == key(value)
@@ -273,45 +160,33 @@ def _median_ratio(values: pd.Series, base: pd.Series) -> float:
     return float(ratios.median()) if len(ratios) else float("nan")
 
 
-def _ordered_unique(values: pd.Series) -> list[Any]:
-    """Distinct values in a stable order: sorted when comparable, else first seen."""
-    seen: dict[str, Any] = {}
-    for v in values:
-        seen.setdefault(key(v), v)
-    distinct = list(seen.values())
-    try:
-        return sorted(distinct)
-    except TypeError:
-        return sorted(distinct, key=key)
-
-
 def scaling_efficiency(df: pd.DataFrame) -> pd.DataFrame:
-    """tokens/s per GPU at each world size relative to the smallest world size in the table,
+    """tokens/s per rank at each world size relative to the smallest world size in the table,
     for every configuration that ran ok at that smallest size and at least one other.
 
-    Efficiency 1.0 is linear scaling; 0.5 means each GPU does half the work it did alone.
+    Efficiency 1.0 is linear scaling; 0.5 means each rank does half the work it did alone.
     """
-    columns = ["config", "world_size", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency"]
-    ok = df[df["status"].eq("ok") & df["tokens_per_s"].notna()] if not df.empty else df
+    columns = ["config", "world_size", "tokens_per_s", "tokens_per_s_per_rank", "efficiency"]
+    ok = ok_runs(df)
     if ok.empty or ok["world_size"].nunique() < 2:
         return pd.DataFrame(columns=columns)
     identity = config_columns(ok, exclude=SCALE_COLUMNS)
     ok = ok.assign(
         _k=config_keys(ok, identity),
         config=config_labels(ok, varying(ok, identity)),
-        tokens_per_s_per_gpu=ok["tokens_per_s"] / ok["world_size"],
+        tokens_per_s_per_rank=ok["tokens_per_s"] / ok["world_size"],
     )
     smallest = ok["world_size"].min()
     per = ok.groupby(["_k", "world_size"], as_index=False).agg(
         config=("config", "first"),
         tokens_per_s=("tokens_per_s", "median"),
-        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"),
+        tokens_per_s_per_rank=("tokens_per_s_per_rank", "median"),
     )
-    base = per[per["world_size"] == smallest].set_index("_k")["tokens_per_s_per_gpu"]
+    base = per[per["world_size"] == smallest].set_index("_k")["tokens_per_s_per_rank"]
     counts = per.groupby("_k")["world_size"].nunique()
     keep = [k for k in base.index if counts[k] > 1]
     per = per[per["_k"].isin(keep)].copy()
-    per["efficiency"] = per["tokens_per_s_per_gpu"] / per["_k"].map(base)
+    per["efficiency"] = per["tokens_per_s_per_rank"] / per["_k"].map(base)
     per["world_size"] = per["world_size"].astype(int)
     per = per.sort_values(["config", "world_size"]).reset_index(drop=True)
     return per[columns]
@@ -375,15 +250,6 @@ def best_so_far(trials: pd.DataFrame, maximize: bool = True) -> pd.DataFrame:
             "kind": ["feasible" if f else "over budget / OOM" for f in feasible],
             "best_so_far": best.astype(float).to_numpy(),
         }
-    )
-
-
-def describe(row: pd.Series, columns: list[str]) -> str:
-    """A configuration spelled out, name=value over `columns` (DDP without FSDP-only axes)."""
-    fsdp_only = {"grouping", "reshard_after_forward", "prefetch", "cpu_offload", "shard_group_size"}
-    ddp = row.get("strategy") == "ddp"
-    return ", ".join(
-        f"{c}={key(row[c])}" for c in columns if c in row and not (ddp and c in fsdp_only)
     )
 
 

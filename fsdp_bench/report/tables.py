@@ -1,85 +1,110 @@
-"""Summary frames as tables of strings for people: units in headers, numbers formatted once
-so the HTML and the markdown report show the same text."""
+"""Tables for people, from the frames `summaries` computes: one set of headers and number
+formats for the terminal ranking, the HTML report and summary.md, so all three read alike.
+
+Every cell becomes a string once, here: metrics with their units' precision, configuration
+values as in YAML, "-" for what is missing or what DDP does not have.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pandas as pd
 
-from fsdp_bench.report.ranking import AXIS_COLUMNS, ranking
-from fsdp_bench.report.summaries import key
+from fsdp_bench.report.configs import key, varying
+from fsdp_bench.store import CONFIG_COLUMNS, FSDP_ONLY_COLUMNS
+
+METRIC_COLUMNS = [
+    "tokens_per_s",
+    "step_time_s",
+    "step_time_spread_pct",
+    "mfu",
+    "peak_memory_gib",
+    "all_gathers_per_step",
+    "reduce_scatters_per_step",
+    "all_reduces_per_step",
+    "parity_ok",
+    "status",
+]
+"""What the ranking shows of each run, when any run has it."""
 
 HEADERS = {
-    "world_size": "world size",
     "tokens_per_s": "tokens/s",
-    "peak_memory_gib": "peak GiB/rank",
-    "peak_reserved_gib": "peak reserved GiB",
-    "estimated_peak_gib": "estimated GiB",
+    "tokens_per_s_per_rank": "tokens/s per rank",
     "step_time_s": "step s",
     "step_time_spread_pct": "spread",
     "mfu": "MFU",
+    "peak_memory_gib": "peak GiB/rank",
+    "peak_reserved_gib": "peak reserved GiB",
+    "estimated_peak_gib": "estimated GiB",
     "all_gathers_per_step": "AG/step",
     "reduce_scatters_per_step": "RS/step",
     "all_reduces_per_step": "AR/step",
-    "tokens_per_s_per_gpu": "tokens/s per GPU",
     "efficiency": "scaling efficiency",
     "tokens_per_s_ratio": "tokens/s ratio",
     "peak_memory_ratio": "peak memory ratio",
     "parity_ok": "parity",
+    "micro_batch_size": "micro-batch",
+    "reshard_after_forward": "reshard",
+    "mixed_precision": "precision",
+    "cpu_offload": "offload",
+    "activation_checkpointing": "AC",
+    "accumulation_steps": "accum",
 }
+"""Column headers with units, short enough for a terminal. Other columns keep their results
+names (run_id, world_size, ...), one word each, so the ranking splits on whitespace."""
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (pd.api.types.is_scalar(value) and bool(pd.isna(value)))
 
 
 def _num(pattern: str) -> Callable[[Any], str]:
-    def show(value: Any) -> str:
-        if value is None or (isinstance(value, float) and pd.isna(value)):
-            return "-"
-        return pattern.format(value)
+    return lambda value: "-" if _missing(value) else pattern.format(value)
 
-    return show
+
+def _percent(decimals: int) -> Callable[[Any], str]:
+    """A fraction (0.42) as a percentage ("42%")."""
+    return lambda value: "-" if _missing(value) else f"{100 * value:.{decimals}f}%"
 
 
 FORMATS: dict[str, Callable[[Any], str]] = {
     "tokens_per_s": _num("{:,.0f}"),
-    "tokens_per_s_per_gpu": _num("{:,.0f}"),
+    "tokens_per_s_per_rank": _num("{:,.0f}"),
     "peak_memory_gib": _num("{:.3f}"),
     "peak_reserved_gib": _num("{:.3f}"),
     "estimated_peak_gib": _num("{:.3f}"),
     "step_time_s": _num("{:.4f}"),
     "step_time_spread_pct": _num("{:.1f}%"),
-    "mfu": lambda v: "-" if v is None or pd.isna(v) else f"{100 * v:.1f}%",
-    "efficiency": lambda v: "-" if v is None or pd.isna(v) else f"{100 * v:.0f}%",
+    "mfu": _percent(1),
+    "efficiency": _percent(0),
     "tokens_per_s_ratio": _num("{:.2f}×"),
     "peak_memory_ratio": _num("{:.2f}×"),
     "all_gathers_per_step": _num("{:.0f}"),
     "reduce_scatters_per_step": _num("{:.0f}"),
     "all_reduces_per_step": _num("{:.0f}"),
 }
+"""How each metric is printed; every other cell is spelled by `_cell`."""
 
 
 def shown(table: pd.DataFrame, headers: dict[str, str] | None = None) -> pd.DataFrame:
-    """Every cell a string: known metrics formatted, configuration values as in YAML."""
+    """Every cell a string (metrics formatted, configuration values as in YAML), headed by
+    HEADERS overridden by `headers`."""
     out = pd.DataFrame(index=table.index)
     for column in table.columns:
         fmt = FORMATS.get(column, _cell)
         out[column] = [fmt(v) for v in table[column]]
     names = {**HEADERS, **(headers or {})}
-    return out.rename(
-        columns=lambda c: names.get(c, c.replace("_", " ") if c not in AXIS_COLUMNS else c)
-    )
+    return out.rename(columns=lambda c: names.get(c, c))
 
 
 def _cell(value: Any) -> str:
-    if value is None or (isinstance(value, float) and pd.isna(value)):
+    if _missing(value):
         return "-"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return key(value)
-
-
-def best_table(best: pd.DataFrame) -> pd.DataFrame:
-    return shown(_ddp_dashes(best.drop(columns=["note"]).assign(note=best["note"])))
 
 
 def _ddp_dashes(table: pd.DataFrame) -> pd.DataFrame:
@@ -87,11 +112,40 @@ def _ddp_dashes(table: pd.DataFrame) -> pd.DataFrame:
     if "strategy" not in table:
         return table
     table = table.copy()
-    for column in ("grouping", "reshard_after_forward", "prefetch", "cpu_offload"):
+    for column in FSDP_ONLY_COLUMNS:
         if column in table:
             table[column] = table[column].astype(object)
             table.loc[table["strategy"] == "ddp", column] = "-"
     return table
+
+
+def varying_axes(df: pd.DataFrame) -> list[str]:
+    """The configuration columns that take more than one value in `df`, in RunConfig order."""
+    return varying(df, CONFIG_COLUMNS)
+
+
+def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
+    """Runs ranked by tokens/s (failures last), with the columns that tell them apart."""
+    if run_ids is not None:
+        df = df[df["run_id"].isin(list(run_ids))]
+    if df.empty:
+        return df
+    ordered = df.assign(_ok=df["status"].eq("ok")).sort_values(
+        ["_ok", "tokens_per_s"], ascending=[False, False], na_position="last"
+    )
+    metrics = [c for c in METRIC_COLUMNS if c in df and df[c].notna().any()]
+    return ordered[["run_id", *varying_axes(df), *metrics]].reset_index(drop=True)
+
+
+def format_ranking(table: pd.DataFrame) -> str:
+    """The ranking as the terminal shows it after a sweep or search."""
+    if table.empty:
+        return "(no runs)"
+    return shown(_ddp_dashes(table)).to_string(index=False)
+
+
+def best_table(best: pd.DataFrame) -> pd.DataFrame:
+    return shown(_ddp_dashes(best.drop(columns=["note"]).assign(note=best["note"])))
 
 
 def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
@@ -130,8 +184,8 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
     return shown(_ddp_dashes(ranked))
 
 
-def _first_line(reason: Any) -> str:
-    text = "" if reason is None or not isinstance(reason, str) else reason
+def _first_line(reason: object) -> str:
+    text = reason if isinstance(reason, str) else ""
     return text.splitlines()[0][:160] if text.strip() else ""
 
 
@@ -146,8 +200,8 @@ def compare_table(table: pd.DataFrame, names: tuple[str, str]) -> pd.DataFrame:
             "tokens_per_s_a": f"tokens/s {a}",
             "tokens_per_s_b": f"tokens/s {b}",
             "tokens_per_s_ratio": f"tokens/s {b} ÷ {a}",
-            "peak_memory_gib_a": f"peak GiB {a}",
-            "peak_memory_gib_b": f"peak GiB {b}",
+            "peak_memory_gib_a": f"peak GiB/rank {a}",
+            "peak_memory_gib_b": f"peak GiB/rank {b}",
             "peak_memory_ratio": f"peak {b} ÷ {a}",
         },
     )
@@ -158,7 +212,7 @@ def markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "(none)"
 
-    def cell(value: Any) -> str:
+    def cell(value: object) -> str:
         return str(value).replace("|", "\\|")
 
     lines = [
