@@ -189,3 +189,13 @@ def test_hsdp_shards_inside_groups_and_all_reduces_across(tmp_path: Path) -> Non
     assert hsdp.memory_breakdown_gib["optimizer_state"] == pytest.approx(
         2 * fsdp.memory_breakdown_gib["optimizer_state"], rel=0.05
     )
+
+
+def test_an_int_reshard_trains_correctly_run_after_run(tmp_path: Path) -> None:
+    """Two runs of one job share the post-forward mesh of reshard_after_forward=2 at W=4."""
+    grid = tiny_grid(
+        "reshard-int", {"data.seed": [0, 1]}, world_size=4, fsdp={"reshard_after_forward": 2}
+    )
+    _, df = sweep(tmp_path, grid, verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    assert (df.all_gathers_per_step == 10).all()  # resharded: backward all-gathers again

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.models import ModelBundle, init_weights
+from fsdp_bench.job.post_forward_mesh import shared_post_forward_meshes
 
 
 @dataclass
@@ -210,14 +211,19 @@ def _fully_shard_groups(
     )
     depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
     inner = plan.groups[:-1]
-    for group in sorted(inner, key=lambda g: -max(depth[id(m)] for m in g.modules)):
-        target = group.modules if len(group.modules) > 1 else group.modules[0]
+    with shared_post_forward_meshes():  # an int reshard: one mesh for all groups, per job
+        for group in sorted(inner, key=lambda g: -max(depth[id(m)] for m in g.modules)):
+            target = group.modules if len(group.modules) > 1 else group.modules[0]
+            fully_shard(
+                target,
+                mesh=mesh,
+                reshard_after_forward=reshard,
+                mp_policy=mp,
+                offload_policy=offload,
+            )
         fully_shard(
-            target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+            model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
         )
-    fully_shard(
-        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
-    )
     if cfg.prefetch != "implicit":
         _wire_prefetch([g.modules[0] for g in inner], cfg.prefetch)
 

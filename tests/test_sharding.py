@@ -1,0 +1,33 @@
+"""Sharding on a fake process group of 8 ranks: what FSDP2 builds, without running a step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.job.models import build_model
+from fsdp_bench.job.parallelize import wrap_on_meta
+from fsdp_bench.memory.fake import fake_world
+
+
+def test_an_int_reshard_shares_one_post_forward_mesh_per_job() -> None:
+    """pytorch/pytorch#153302: FSDP2 alone builds a mesh (new process groups) per group."""
+    run = RunConfig(world_size=8, fsdp=FsdpConfig(reshard_after_forward=2))
+    created = []
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("shard",))
+        for _ in range(2):  # two runs of one job
+            before = len(dist.distributed_c10d._world.pg_map)
+            model, plan = wrap_on_meta(build_model(run.model), run, mesh, torch.device("cpu"))
+            infos = {
+                id(group.post_forward_mesh_info)
+                for module in model.modules()
+                if isinstance(module, FSDPModule)
+                for group in module._get_fsdp_state()._fsdp_param_groups
+            }
+            assert plan.num_groups == 5 and len(infos) == 1
+            created.append(len(dist.distributed_c10d._world.pg_map) - before)
+    assert created == [2, 0]  # the 2-D post-forward mesh's two groups, once
