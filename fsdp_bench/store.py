@@ -96,6 +96,8 @@ class RunResult:
     parity_ok: bool | None = None
     parity_grad_max_abs_diff: float | None = None
     parity_param_max_abs_diff: float | None = None
+    parity_scope: str | None = None
+    """What was compared: "as run", or the scaled-down copy of a large model (its shape)."""
     # Provenance
     setup_s: float | None = None
     """Build, shard and materialise the model, create the optimizer (slowest rank)."""

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from fsdp_bench.job.parity import _compare
+from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.job.parity import _compare, verification_run
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow
@@ -101,3 +102,20 @@ def test_the_check_can_fail() -> None:
     assert not ok and "relative L2 error 2.00e-02 > 0.01" in detail
     ok, _, _ = _compare({"w": bad}, want, "tf32")  # 1e-4 in one element passes under TF32
     assert ok
+
+
+def test_large_models_are_verified_on_a_scaled_down_copy() -> None:
+    run = RunConfig(
+        world_size=8,
+        model=ModelConfig(name="llama3-8b"),
+        data=DataConfig(micro_batch_size=4, seq_len=8192),
+        fsdp=FsdpConfig(grouping="blocks:2", reshard_after_forward=4, prefetch=2),
+    )
+    checked, scope = verification_run(run)
+    shape = checked.model.shape
+    assert shape.num_params < 1e6 and scope.startswith("a scaled-down copy: dim 64, 4 blocks")
+    assert shape.n_heads // shape.n_kv_heads == 4  # Llama-3-8B's 32 / 8 query groups
+    assert (checked.world_size, checked.fsdp, checked.train) == (8, run.fsdp, run.train)
+    assert (checked.data.seq_len, checked.data.micro_batch_size) == (128, 2)
+    small = RunConfig(world_size=2)
+    assert verification_run(small) == (small, "as run")

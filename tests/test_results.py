@@ -96,7 +96,10 @@ def test_a_record_takes_the_slowest_rank_per_repeat_and_the_largest_peak() -> No
         )  # fmt: skip
 
     run = RunConfig(world_size=2)  # 2 ranks x 1 sequence x 128 tokens per step
-    parity = {"ok": False, "grad_max_abs_diff": 1.0, "param_max_abs_diff": 2.0, "detail": "off"}
+    parity = {
+        "ok": False, "grad_max_abs_diff": 1.0, "param_max_abs_diff": 2.0, "detail": "off",
+        "scope": "as run",
+    }  # fmt: skip
     ranks = [outcome([0.1, 0.4, 0.2], 1.0, parity), outcome([0.3, 0.2, 0.2], 2.0, None)]
     info = RankInfo(rank=0, local_rank=0, world_size=2, num_nodes=1, job_id="7", attempt=0)
     where = RunContext(torch.device("cpu"), info, "t0", 9.0, EstimatedPeaks(1.5, 3.0))
@@ -109,5 +112,5 @@ def test_a_record_takes_the_slowest_rank_per_repeat_and_the_largest_peak() -> No
     assert record.memory_breakdown_gib == {"activation": pytest.approx(2.0)}
     assert (record.estimated_peak_gib, record.analytic_peak_gib) == (1.5, 3.0)
     assert record.all_gathers_per_step == 9 and record.largest_group_bytes == 123
-    assert record.parity_ok is False and record.reason == "off"
+    assert record.parity_ok is False and record.reason == "off" and record.parity_scope == "as run"
     assert record.mfu is None and record.peak_reserved_gib is None and record.wall_s == 9.0

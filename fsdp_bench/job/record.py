@@ -167,6 +167,7 @@ def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
         "parity_ok": parity["ok"],
         "parity_grad_max_abs_diff": parity["grad_max_abs_diff"],
         "parity_param_max_abs_diff": parity["param_max_abs_diff"],
+        "parity_scope": parity["scope"],
     }
 
 

@@ -75,9 +75,16 @@ def pick_device(kind: str, local_rank: int, device_count: int | None = None) -> 
 
 
 def init_process_group(
-    info: RankInfo, device: torch.device, rendezvous_dir: Path, timeout_s: float
+    info: RankInfo,
+    device: torch.device,
+    rendezvous_dir: Path,
+    timeout_s: float,
+    cpu_collectives: bool = False,
 ) -> None:
-    """NCCL on GPUs, gloo on CPUs; `timeout_s` bounds every collective (a hang becomes an error)."""
+    """NCCL on GPUs, gloo on CPUs; `timeout_s` bounds every collective (a hang becomes an error).
+
+    `cpu_collectives` adds gloo beside NCCL on GPUs, for collectives of CPU tensors: the
+    parity check gathers CPU-offloaded shards, which NCCL cannot."""
     store, host = _rendezvous(
         info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s
     )
@@ -90,7 +97,9 @@ def init_process_group(
         MASTER_ADDR=host,
         MASTER_PORT=str(store.port),
     )
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     dist.init_process_group(
         backend,
         store=store,

@@ -13,6 +13,7 @@ Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import shutil
@@ -21,17 +22,19 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.errors import one_line
 from fsdp_bench.job.failures import Terminated, classify, fail, mark_started, note_failure
 from fsdp_bench.job.measure import profile_step
 from fsdp_bench.job.models import attention_backend, build_model
 from fsdp_bench.job.parallelize import parallelize
-from fsdp_bench.job.parity import check_parity
+from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result
 from fsdp_bench.job.rendezvous import (
     RankInfo,
@@ -127,7 +130,14 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         device = pick_device(job.device, info.local_rank)
         # On every device: with CPU offload the optimizer step runs on the host.
         torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
-        init_process_group(info, device, store.jobs_dir / "rendezvous", job.collective_timeout_s)
+        offloads = any(r.fsdp.cpu_offload for r in job.runs)
+        init_process_group(
+            info,
+            device,
+            store.jobs_dir / "rendezvous",
+            job.collective_timeout_s,
+            cpu_collectives=job.verify and offloads,
+        )
     except BaseException as err:
         pending = [r for r in job.runs if not store.has(r.run_id)]
         if not pending or classify(err) == "interrupted":
@@ -210,10 +220,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     """Build, shard, warm up, profile one step (collectives, memory), time. Every rank."""
     device, rank = context.device, context.info.rank
     mesh = context.mesh(run.mesh_shape)
-    parity = None
-    if context.verify:
-        parity = asdict(check_parity(run, mesh, device, rank))
-        _release(device)
+    parity = _verify(run, mesh, context) if context.verify else None
 
     on_cuda = device.type == "cuda"
     allocated_at_start = torch.cuda.memory_allocated(device) if on_cuda else None
@@ -260,6 +267,31 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         sdpa_backend=_sdpa_backend(run, device),
         parity=parity,
     )
+
+
+def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, Any]:
+    """The parity check (on a scaled-down copy for large models), as plain data. Its own
+    failure (an error, an OOM of the reference) is reported in the record, never the run's
+    status: every rank learns whether any rank's check failed."""
+    checked, scope = verification_run(run)
+    if context.watchdog is not None:
+        context.watchdog.arm("the parity check", context.collective_timeout_s + GRACE_S)
+    report = None
+    try:
+        report = check_parity(checked, mesh, context.device, context.info.rank)
+        failure = ""
+    except Exception as err:  # reported, not raised: see the docstring
+        failure = f"rank {context.info.rank}: {classify(err)}: {one_line(err, 300)}"
+    _release(context.device)
+    failures: list[str | None] = [None] * context.info.world_size
+    dist.all_gather_object(failures, failure)
+    if context.watchdog is not None:
+        context.watchdog.disarm()
+    failed = [f for f in failures if f]
+    if failed or report is None:
+        detail = "the parity check itself failed (the run is still timed): " + "; ".join(failed)
+        report = ParityReport(None, None, None, detail)
+    return asdict(dataclasses.replace(report, scope=scope))
 
 
 def _sdpa_backend(run: RunConfig, device: torch.device) -> str | None:
