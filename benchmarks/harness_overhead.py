@@ -33,6 +33,7 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
+from fsdp_bench.job.timing import synchronize
 from fsdp_bench.job.worker import JobContext, execute_run
 from fsdp_bench.store import ResultStore
 
@@ -63,10 +64,12 @@ def bare_step_time(run: RunConfig, device: torch.device, steps: int, repeats: in
         step()
     times = []
     for _ in range(repeats):
+        synchronize(device)
         dist.barrier()
         begin = time.perf_counter()
         for _ in range(steps):
             step()
+        synchronize(device)  # on CUDA the step is queued, not done, until synchronised
         times.append((time.perf_counter() - begin) / steps)
     slowest = torch.tensor(times)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -63,6 +63,9 @@ class RunResult:
     peak_memory_gib: float | None = None
     """CUDA: max_memory_allocated over the timed steps. CPU: the tracked tensor peak."""
     peak_reserved_gib: float | None = None
+    device_used_peak_gib: float | None = None
+    """CUDA: device memory in use after the timed steps (largest rank), from the driver: the
+    allocator's reserve plus the CUDA context, NCCL buffers and workspaces outside it."""
     tracked_peak_gib: float | None = None
     memory_breakdown_gib: dict[str, float] | None = None
     peak_memory_source: str | None = None

@@ -46,6 +46,7 @@ class RankOutcome:
     allocated_at_start_bytes: int | None = None
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
+    device_used_bytes: int | None = None
     device_index: int | None = None
     sdpa_backend: str | None = None
     parity: dict[str, Any] | None = None
@@ -139,6 +140,9 @@ def _memory(ranks: list[RankOutcome], on_cuda: bool) -> dict[str, Any]:
         "memory_breakdown_gib": {k: v / GIB for k, v in worst.breakdown_bytes.items()},
         "peak_memory_source": "cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
         "allocated_at_start_gib": at_start / GIB if on_cuda else None,
+        "device_used_peak_gib": (
+            max(o.device_used_bytes or 0 for o in ranks) / GIB if on_cuda else None
+        ),
         "num_alloc_retries": sum(o.num_alloc_retries or 0 for o in ranks) if on_cuda else None,
         "num_ooms": sum(o.num_ooms or 0 for o in ranks) if on_cuda else None,
     }

@@ -39,6 +39,10 @@ class StepMeasurements:
     """cudaMalloc failures the caching allocator survived by freeing its cache and retrying,
     during the timed steps: a run that fits only this way is slow for that reason."""
     num_ooms: int | None = None
+    device_used_bytes: int | None = None
+    """Device memory in use right after the timed steps (total - free, from the driver): the
+    allocator's reserve, which has not shrunk since the peak, plus what lives outside it
+    (CUDA context, NCCL buffers, cuBLAS workspaces)."""
 
 
 def measure_steps(
@@ -95,6 +99,7 @@ def measure_steps(
         reserved,
         num_alloc_retries=after[0] - before[0] if on_cuda else None,
         num_ooms=after[1] - before[1] if on_cuda else None,
+        device_used_bytes=_device_used_bytes(device),
     )
 
 
@@ -115,6 +120,13 @@ def _warm_up(
         synchronize(device)
         slowest_s = max(slowest_s, time.perf_counter() - began)
     return time.perf_counter() - start, slowest_s
+
+
+def _device_used_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 def _allocator_counts(device: torch.device) -> tuple[int, int]:

@@ -1,0 +1,362 @@
+"""The GPU check: one command that measures what only a GPU can show, and writes a report.
+
+Run it first whenever a machine with a GPU is at hand (about 8 minutes on one H200):
+
+    python benchmarks/gpu_check.py --out benchmarks/results/2026-12-01-h200
+    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu-check    # reduced, ~3 min here
+
+It writes `gpu_check.md` (for people) and `gpu_check.json` (every figure) to --out. Each part
+runs through fsdp-bench's own pipeline (grids, local launcher, worker, records) and is
+recorded even when it fails, with its wall time:
+
+- environment: torch, CUDA, NCCL, driver, device, the peak-FLOPS row, TF32 state, device
+  memory in use after CUDA init and after process-group init;
+- models: Llama-3-1B and a Llama-3-8B shape cut to 8 blocks, bf16, without and with activation
+  checkpointing: tokens/s, MFU, spread, allocated / reserved / device-used peaks beside the
+  simulated and analytic estimates, with the error in %;
+- parity (--verify) in fp32 with TF32 off and on and in bf16, CPU offload, the DDP baseline,
+  and which SDPA kernel each ran;
+- failures and isolation: an injected OOM classified `oom`; two equal runs in one job giving
+  the same peak;
+- the harness against a bare FSDP2 loop in the same processes (benchmarks/harness_overhead.py);
+- step time by perf_counter + synchronize against CUDA events over the same steps;
+- with two GPUs or more: world size 2 with FSDP and HSDP, an injected hang recorded `timeout`,
+  and which device each rank used.
+On CPU (--device cpu) the same parts run on the tiny preset, and the CUDA-only figures
+(MFU, events, device memory) are not there; tests/test_gpu_check.py runs it so in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from fsdp_bench import load_results
+from fsdp_bench.config import parse_grid
+from fsdp_bench.report import tables
+from fsdp_bench.sweep import SweepOptions, run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Check:
+    """Where the check writes and what it runs on."""
+
+    out: Path
+    device: str
+    """cuda or cpu."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def num_gpus(self) -> int:
+        return torch.cuda.device_count() if self.on_gpu else 0
+
+
+def sweep(check: Check, name: str, base: dict[str, Any], axes: Any, **options: Any) -> pd.DataFrame:
+    """Run a grid through fsdp-bench (local launcher) and return its records."""
+    grid = {
+        "name": name,
+        "base": base,
+        "axes": axes,
+        "launcher": {"device": check.device, "collective_timeout_s": 120},
+    }
+    spec = parse_grid(grid, source=f"gpu_check:{name}")
+    results = check.out / "results" / name
+    run_sweep(spec, SweepOptions(results_dir=results, progress=False, **options))
+    return load_results(results)
+
+
+MEASURE = {"warmup_steps": 2, "timed_steps": 5, "repeats": 3}
+RUN_COLUMNS = [
+    "run_id", "status", "model", "n_layers", "world_size", "strategy", "mixed_precision",
+    "fp32_matmul", "cpu_offload", "activation_checkpointing", "tokens_per_s", "mfu",
+    "peak_flops_source", "step_time_spread_pct", "peak_memory_gib", "peak_reserved_gib",
+    "device_used_peak_gib", "tracked_peak_gib", "estimated_peak_gib", "analytic_peak_gib",
+    "sdpa_backend", "parity_ok", "parity_scope", "parity_grad_max_abs_diff", "num_alloc_retries",
+    "allocated_at_start_gib", "device_indices", "reason",
+]  # fmt: skip
+
+
+def rows(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The records as plain rows, with the estimate errors against what was measured."""
+    shown = df.reindex(columns=RUN_COLUMNS)
+    out = []
+    for row in shown.to_dict(orient="records"):
+        clean = {k: _plain(v) for k, v in row.items()}
+        measured = clean.get("tracked_peak_gib")
+        for estimate in ("estimated_peak_gib", "analytic_peak_gib"):
+            value = clean.get(estimate)
+            if measured and value is not None:
+                clean[f"{estimate}_error_pct"] = 100 * (value - measured) / measured
+        reason = clean.get("reason") or ""
+        clean["reason"] = reason.splitlines()[0][:200] if reason else ""
+        out.append(clean)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if hasattr(value, "item") and not isinstance(value, (list, dict)):
+        return value.item()
+    return value
+
+
+def environment(check: Check) -> dict[str, Any]:
+    from fsdp_bench.job.flops import peak_flops
+    from fsdp_bench.job.record import _driver_version, _nccl_version, device_name
+    from fsdp_bench.job.training import fp32_matmul_precision
+
+    device = torch.device(check.device, 0) if check.on_gpu else torch.device("cpu")
+    name = device_name(device)
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": name,
+        "num_gpus": check.num_gpus,
+        "fp32_matmul_precision": fp32_matmul_precision(),
+    }
+    if check.on_gpu:
+        free, total = torch.cuda.mem_get_info(device)
+        bf16 = peak_flops(name, "bf16", tf32=False)
+        info.update(
+            cuda=torch.version.cuda,
+            nccl=_nccl_version(),
+            driver=_driver_version(),
+            peak_flops_bf16=bf16.source if bf16 else "no row matched: no MFU",
+            total_gib=total / 2**30,
+            used_after_cuda_init_gib=(total - free) / 2**30,
+        )
+    return info
+
+
+def models(check: Check) -> dict[str, Any]:
+    if check.on_gpu:
+        axes = [
+            {"model.name": ["llama3-1b"], "fsdp.activation_checkpointing": ["none", "block"]},
+            {
+                "model.name": ["llama3-8b"],
+                "model.n_layers": [8],
+                "fsdp.activation_checkpointing": ["none", "block"],
+            },
+        ]
+        data = {"micro_batch_size": 1, "seq_len": 2048}
+    else:
+        axes = [{"model.name": ["tiny"], "fsdp.activation_checkpointing": ["none", "block"]}]
+        data = {"micro_batch_size": 2, "seq_len": 128}
+    base = {"world_size": 1, "data": data, "fsdp": {"mixed_precision": "bf16"}, "measure": MEASURE}
+    return {"runs": rows(sweep(check, "models", base, axes))}
+
+
+def parity(check: Check) -> dict[str, Any]:
+    axes = [
+        {"fsdp.mixed_precision": ["fp32"], "train.fp32_matmul": ["ieee", "tf32"]},
+        {"fsdp.mixed_precision": ["bf16"]},
+        {"fsdp.cpu_offload": [True]},
+        {"strategy": ["ddp"]},
+    ]
+    world_size = 2 if check.num_gpus >= 2 or not check.on_gpu else 1
+    base = {
+        "world_size": world_size,
+        "model": {"name": "small" if check.on_gpu else "tiny"},
+        "data": {"micro_batch_size": 2, "seq_len": 256 if check.on_gpu else 128},
+        "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 2},
+    }
+    return {"runs": rows(sweep(check, "parity", base, axes, verify=True))}
+
+
+def failures_and_isolation(check: Check) -> dict[str, Any]:
+    base = {
+        "world_size": 1,
+        "model": {"name": "llama3-1b" if check.on_gpu else "tiny"},
+        "data": {"micro_batch_size": 1, "seq_len": 1024 if check.on_gpu else 128},
+        "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
+    }
+    axes = [{"data.seed": [0, 1]}, {"fault.kind": ["oom"]}]  # the twins share a job
+    found = rows(sweep(check, "failures", base, axes))
+    twins = [r for r in found if r["status"] == "ok"]
+    peaks = sorted({round(r["peak_memory_gib"], 6) for r in twins})
+    return {
+        "runs": found,
+        "injected_oom_recorded_as": [r["status"] for r in found if r["status"] != "ok"],
+        "twin_peaks_gib": peaks,
+        "twins_same_peak": len(twins) == 2 and len(peaks) == 1,
+    }
+
+
+def harness(check: Check) -> dict[str, Any]:
+    model, seq = ("llama3-1b", "1024") if check.on_gpu else ("tiny", "128")
+    command = [sys.executable, str(REPO / "benchmarks" / "harness_overhead.py"), "--model", model,
+               "--world-size", "1", "--seq-len", seq, "--rounds", "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    lines = done.stdout.strip().splitlines()
+    median = next((line for line in lines if line.startswith("median")), "")
+    ratio = float(median.split()[3]) if median else None
+    return {
+        "returncode": done.returncode,
+        "ratio_of_medians": ratio,
+        "output": lines[-6:],
+        "stderr_tail": done.stderr.strip().splitlines()[-5:] if done.returncode else [],
+    }
+
+
+def timer(check: Check) -> dict[str, Any]:
+    """perf_counter + synchronize against CUDA events over the same steps (one GPU)."""
+    if not check.on_gpu:
+        return {"skipped": "CUDA events need a GPU"}
+    import submitit
+
+    executor = submitit.LocalExecutor(folder=check.out / "results" / "timer")
+    executor.update_parameters(tasks_per_node=1, nodes=1, timeout_min=10, gpus_per_node=1)
+    return executor.submit(_time_both_ways, str(check.out / "results" / "timer")).results()[0]
+
+
+def _time_both_ways(folder: str) -> dict[str, Any]:
+    from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig
+    from fsdp_bench.job.models import build_model
+    from fsdp_bench.job.parallelize import parallelize
+    from fsdp_bench.job.rendezvous import barrier_and_destroy, init_process_group, rank_info
+    from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+
+    info = rank_info()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_process_group(info, device, Path(folder) / "rendezvous", 120)
+    run = RunConfig(
+        model=ModelConfig(name="llama3-1b"),
+        data=DataConfig(seq_len=1024),
+        fsdp=FsdpConfig(mixed_precision="bf16"),
+    )
+    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (1,))
+    bundle = build_model(run.model)
+    model, _ = parallelize(bundle, run, mesh, device)
+    optimizer = build_optimizer(model, run)
+    step = make_train_step(model, optimizer, rank_batches(run, 0, bundle.vocab_size, device), run)
+    for _ in range(3):
+        step()
+    pairs = []
+    for _ in range(3):
+        begin_event = torch.cuda.Event(enable_timing=True)
+        end_event = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        begin_event.record()
+        for _ in range(5):
+            step()
+        end_event.record()
+        torch.cuda.synchronize(device)
+        wall_s = (time.perf_counter() - began) / 5
+        pairs.append((wall_s, begin_event.elapsed_time(end_event) / 1000 / 5))
+    barrier_and_destroy()
+    return {
+        "perf_counter_s": [p[0] for p in pairs],
+        "cuda_events_s": [p[1] for p in pairs],
+        "ratio": [p[0] / p[1] for p in pairs],
+    }
+
+
+def multi_gpu(check: Check) -> dict[str, Any]:
+    if check.num_gpus < 2:
+        return {"skipped": f"{check.num_gpus} GPU(s): world size 2, HSDP and the hang need 2"}
+    world_size = 4 if check.num_gpus >= 4 else 2
+    base = {
+        "world_size": world_size,
+        "model": {"name": "llama3-1b"},
+        "data": {"micro_batch_size": 1, "seq_len": 1024},
+        "fsdp": {"mixed_precision": "bf16", "shard_group_size": world_size // 2},
+        "measure": MEASURE,
+    }
+    axes = [{"strategy": ["fsdp", "hsdp"]}, {"fault.kind": ["hang"], "fault.rank": [1]}]
+    grid_runs = rows(sweep(check, "multi_gpu", base, axes))
+    return {"runs": grid_runs}
+
+
+PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
+    ("environment", environment),
+    ("models", models),
+    ("parity", parity),
+    ("failures", failures_and_isolation),
+    ("harness", harness),
+    ("timer", timer),
+    ("multi_gpu", multi_gpu),
+]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# GPU check: {report['device_name']}", "", f"{report['started_at']}, "
+             f"{report['wall_s']:.0f} s, `{report['command']}`", ""]  # fmt: skip
+    for name, part in report["parts"].items():
+        lines += [f"## {name} ({part.get('wall_s', 0):.0f} s)", ""]
+        if "error" in part:
+            lines += ["Failed:", "", "```", part["error"], "```", ""]
+            continue
+        table = part.get("runs")
+        if table:
+            frame = pd.DataFrame(table).dropna(axis=1, how="all")
+            lines += [tables.markdown(frame.map(_cell)), ""]
+        other = {k: v for k, v in part.items() if k not in ("runs", "wall_s")}
+        lines += [f"- {k}: {v}" for k, v in other.items()] + [""]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the report")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="default: cuda when available")  # fmt: skip
+    parser.add_argument("--only", nargs="*", help="run only these parts")
+    args = parser.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check = Check(out=args.out.resolve(), device=device)
+    check.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "device": device,
+        "parts": {},
+    }
+    for name, part in PARTS:
+        if args.only and name not in args.only:
+            continue
+        began = time.perf_counter()
+        try:
+            result = part(check)
+        except Exception:  # a part that fails is reported; the others still run
+            result = {"error": traceback.format_exc()[-3000:]}
+        result["wall_s"] = time.perf_counter() - began
+        report["parts"][name] = result
+        print(f"gpu_check: {name} done in {result['wall_s']:.0f} s", flush=True)
+    report["wall_s"] = time.perf_counter() - started
+    report["device_name"] = report["parts"].get("environment", {}).get("device", device)
+    (check.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (check.out / "gpu_check.md").write_text(markdown(report))
+    print(f"gpu_check: {check.out / 'gpu_check.md'}")
+    failed = [n for n, p in report["parts"].items() if "error" in p]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

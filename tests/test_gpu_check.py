@@ -1,0 +1,33 @@
+"""benchmarks/gpu_check.py, the one command for a lent GPU, kept working on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> None:
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+               "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    parts = report["parts"]
+    assert not [name for name, part in parts.items() if "error" in part]
+    assert {r["status"] for r in parts["models"]["runs"]} == {"ok"}
+    assert all(abs(r["estimated_peak_gib_error_pct"]) < 5 for r in parts["models"]["runs"])
+    assert [r["parity_ok"] for r in parts["parity"]["runs"]] == [True] * 5
+    assert parts["failures"]["injected_oom_recorded_as"] == ["oom"]
+    assert parts["failures"]["twins_same_peak"]
+    assert parts["harness"]["returncode"] == 0 and parts["harness"]["ratio_of_medians"] > 0
+    assert parts["timer"]["skipped"] and parts["multi_gpu"]["skipped"]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"## {name}" in text for name in parts)
