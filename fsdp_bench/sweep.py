@@ -117,9 +117,10 @@ def _prune(
     """Record the runs that cannot fit the memory budget as skipped; return the others."""
     if spec.memory.budget_gib is None:
         return runs
-    extra = overhead(spec.memory, store)
+    overheads = overhead(spec.memory, store)
     keep = []
     for run in runs:
+        extra = overheads.at(run.world_size)
         reason = predicted_oom(estimates[run.run_id], spec.memory, extra)
         if reason:
             driver.record_unlaunched(run, "skipped", reason, {"overhead": extra.source})

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import (
+    DataConfig,
+    FsdpConfig,
+    MemoryConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from fsdp_bench.config.schema import to_plain
 from fsdp_bench.memory.analytic import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
+from fsdp_bench.memory.estimate import overhead
+from fsdp_bench.store import ResultStore, RunResult
 
 
 def test_seed_000_sharded_steady_state_and_lower_bound() -> None:
@@ -79,3 +91,25 @@ def test_knobs_move_the_terms_they_should() -> None:
     assert synced_last["unsharded_gradients"] > 4 * plain["unsharded_gradients"]
     assert with_(grouping="root")["largest_unsharded_group"] > plain["largest_unsharded_group"]
     assert with_(optimizer="sgd")["optimizer_state"] == 0
+
+
+def test_the_overhead_is_calibrated_per_device_and_world_size(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    cases = [("H100", 8, used) for used in (10.0, 11.0, 12.0, 13.0, 20.0)]
+    cases += [("A100", 8, 15.0), ("H100", 64, 30.0)]
+    for index, (device, world_size, used) in enumerate(cases):
+        run = RunConfig(world_size=world_size, data=DataConfig(seed=index))
+        store.record(
+            RunResult(
+                run_id=run.run_id, status="ok", config=to_plain(run), estimated_peak_gib=5.0,
+                device_used_peak_gib=used, provenance={"device_name": f"NVIDIA {device}"},
+            )
+        )  # fmt: skip
+    overheads = overhead(MemoryConfig(), store)
+    # world size 8: p90 of H100's gaps (5, 6, 7, 8, 15) is 12.2; A100's one gap is 10
+    assert overheads.at(8).gib == pytest.approx(12.2)
+    assert "NVIDIA A100, NVIDIA H100; world size 8" in overheads.at(8).source
+    assert overheads.at(64).gib == pytest.approx(25.0)
+    assert "all world sizes" in overheads.at(16).source  # never measured at 16
+    assert overhead(MemoryConfig(overhead_gib=6.0), store).at(8).gib == 6.0
+    assert overhead(MemoryConfig(), ResultStore(tmp_path / "empty")).at(8).gib == 0.0

@@ -65,14 +65,19 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
     runs = expand(spec).runs
     store = ResultStore(results_dir_for(spec, results))
     estimates = estimate_runs(runs, store.root / "estimates")
-    extra = overhead(spec.memory, store)
+    overheads = overhead(spec.memory, store)
+    extra = {size: overheads.at(size) for size in sorted({r.world_size for r in runs})}
+    verdicts = {
+        run.run_id: predicted_oom(estimates[run.run_id], spec.memory, extra[run.world_size])
+        for run in runs
+    }
     if as_json:
         return json.dumps(
             [
                 {
                     **asdict(estimates[run.run_id]),
-                    "overhead_gib": extra.gib,
-                    "predicted_oom": predicted_oom(estimates[run.run_id], spec.memory, extra),
+                    "overhead_gib": extra[run.world_size].gib,
+                    "predicted_oom": verdicts[run.run_id],
                 }
                 for run in runs
             ],
@@ -85,7 +90,7 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
         fits = (
             "?"
             if spec.memory.budget_gib is None or e.estimated_peak_gib is None
-            else ("no" if predicted_oom(e, spec.memory, extra) else "yes")
+            else ("no" if verdicts[run.run_id] else "yes")
         )
         top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
         rows.append(
@@ -94,14 +99,16 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
                 *(yaml_scalar(get_path(run, k)) for k in keys),
                 _gib(e.analytic_peak_gib),
                 _gib(e.estimated_peak_gib),
+                _gib(extra[run.world_size].gib),
                 fits,
                 ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
             ]
         )
-    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "simulated", "fits",
-              "largest parts (GiB)"]  # fmt: skip
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "simulated", "overhead",
+              "fits", "largest parts (GiB)"]  # fmt: skip
     budget = spec.memory
-    footer = f"GiB per rank. overhead {extra.gib:.2f} GiB ({extra.source}); " + (
+    sources = "; ".join(sorted({o.source for o in extra.values()}))
+    footer = f"GiB per rank. overhead: {sources}; " + (
         f"budget {budget.budget_gib:g} GiB, margin {budget.margin_gib:g} GiB"
         if budget.budget_gib is not None
         else "no budget (memory.budget_gib)"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import statistics
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -129,22 +128,67 @@ class Overhead:
     source: str
 
 
-def overhead(memory: MemoryConfig, store: ResultStore | None) -> Overhead:
-    """Memory outside tensors: as configured, else calibrated on measured CUDA runs.
+OVERHEAD_QUANTILE = 0.9
+"""A high quantile, not the median: the overhead is a margin against OOM, and half the runs
+above it would be half the runs the budget lets through wrongly."""
 
-    Calibration: the median of (peak reserved - simulated estimate) over the folder's CUDA
-    runs, i.e. what the allocator reserved beyond the tensors the estimate predicts. CUDA
-    context and NCCL buffers are outside the allocator: set overhead_gib for those.
-    """
+
+@dataclass(frozen=True)
+class Overheads:
+    """Memory outside tensors per rank, by world size: as configured, else calibrated on the
+    folder's measured CUDA runs.
+
+    Calibration: device memory in use at the end of the timed steps minus the simulated
+    estimate (the allocator's reserve beyond the predicted tensors, plus the CUDA context,
+    NCCL buffers and workspaces outside it; reserved memory for records that predate
+    `device_used_peak_gib`), per device name and world size (NCCL's buffers grow with the
+    number of peers). For a world size it takes OVERHEAD_QUANTILE of each device's gaps at
+    that world size (every world size when none was measured there) and the largest over
+    devices, since the run may land on any of them."""
+
+    configured_gib: float | None = None
+    gaps_gib: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+
+    def at(self, world_size: int) -> Overhead:
+        if self.configured_gib is not None:
+            return Overhead(self.configured_gib, "configured")
+        here = {k: v for k, v in self.gaps_gib.items() if k[1] == world_size}
+        chosen = here or self.gaps_gib
+        if not chosen:
+            return Overhead(0.0, "none (no measured CUDA runs; set memory.overhead_gib)")
+        by_device: dict[str, list[float]] = {}
+        for (device, _), gaps in chosen.items():
+            by_device.setdefault(device, []).extend(gaps)
+        worst = max(_quantile(gaps, OVERHEAD_QUANTILE) for gaps in by_device.values())
+        count = sum(len(g) for g in chosen.values())
+        where = f"world size {world_size}" if here else "all world sizes"
+        return Overhead(
+            max(0.0, worst),
+            f"calibrated: p{OVERHEAD_QUANTILE * 100:.0f} over {count} CUDA runs "
+            f"({', '.join(sorted(by_device))}; {where})",
+        )
+
+
+def overhead(memory: MemoryConfig, store: ResultStore | None) -> Overheads:
+    """The folder's overheads, read once (see Overheads)."""
     if memory.overhead_gib is not None:
-        return Overhead(memory.overhead_gib, "configured")
-    gaps = []
+        return Overheads(configured_gib=memory.overhead_gib)
+    gaps: dict[tuple[str, int], list[float]] = {}
     for result in store.results() if store is not None else []:
-        if result.status == "ok" and result.peak_reserved_gib and result.estimated_peak_gib:
-            gaps.append(result.peak_reserved_gib - result.estimated_peak_gib)
-    if gaps:
-        return Overhead(max(0.0, statistics.median(gaps)), f"calibrated on {len(gaps)} CUDA runs")
-    return Overhead(0.0, "none (no measured CUDA runs; set memory.overhead_gib)")
+        used = result.device_used_peak_gib or result.peak_reserved_gib
+        if result.status == "ok" and used and result.estimated_peak_gib:
+            key = (str(result.provenance.get("device_name", "")), int(result.config["world_size"]))
+            gaps.setdefault(key, []).append(used - result.estimated_peak_gib)
+    return Overheads(gaps_gib=gaps)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), without numpy."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def predicted_oom(estimate: RunEstimate, memory: MemoryConfig, extra: Overhead) -> str:

@@ -138,7 +138,7 @@ class Searcher:
         if not self.space:
             raise ConfigError(f"{spec.source}: axes: a search needs at least one axis")
         self.space_size = math.prod(len(values) for values in self.space.values())
-        self.extra = overhead(spec.memory, store)
+        self.overheads = overhead(spec.memory, store)
         self.driver: Driver | None = None
         self.pending: dict[str, list[optuna.trial.Trial]] = {}
         self.watched_runs: set[str] = set()
@@ -204,7 +204,8 @@ class Searcher:
             return None
         self.pending[run.run_id] = [trial]
         estimate = self._estimate(run)
-        reason = predicted_oom(estimate, self.spec.memory, self.extra) if self.options.prune else ""
+        extra = self.overheads.at(run.world_size)
+        reason = predicted_oom(estimate, self.spec.memory, extra) if self.options.prune else ""
         assert self.driver is not None
         self.driver.estimates[run.run_id] = estimate.peaks
         if reason:
@@ -245,7 +246,7 @@ class Searcher:
         values = [float(value)]
         if self.settings.multi_objective:
             values.append(float(result.peak_memory_gib or result.estimated_peak_gib or math.inf))
-        constraint = constraint_value(result, self.spec.memory, self.extra)
+        constraint = constraint_value(result, self.spec.memory, self.overheads)
         if count and constraint > 0 and result.status != "skipped":
             self.counts["infeasible"] += 1  # measured: an OOM, or a peak over the budget
         trial.set_constraint("memory", constraint)

@@ -9,19 +9,20 @@ import optuna
 
 from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.run import MemoryConfig
-from fsdp_bench.memory.estimate import Overhead, overhead
+from fsdp_bench.memory.estimate import Overheads, overhead
 from fsdp_bench.store import ResultStore, RunResult
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
 
 
-def constraint_value(result: RunResult, memory: MemoryConfig, extra: Overhead) -> float:
+def constraint_value(result: RunResult, memory: MemoryConfig, overheads: Overheads) -> float:
     """Peak + overhead + margin - budget, in GiB: > 0 means it did not, or would not, fit."""
     if memory.budget_gib is None:
         return 1.0 if result.status == "oom" else 0.0
     peak = result.peak_memory_gib if result.status == "ok" else result.estimated_peak_gib
     if peak is None:  # an OOM whose size nobody knows: at the budget, just over
         return 1e-3
+    extra = overheads.at(int(result.config["world_size"]))
     value = peak + extra.gib + memory.margin_gib - memory.budget_gib
     return max(value, 1e-3) if result.status in INFEASIBLE_STATUSES else value
 
@@ -54,10 +55,10 @@ def best_feasible(
 ) -> tuple[optuna.trial.FrozenTrial, float] | None:
     """The best trial whose run ran and fits (optuna's best_trial ignores constraints)."""
     maximize = spec.search.direction == "maximize"
-    extra = overhead(spec.memory, store)
+    overheads = overhead(spec.memory, store)
     best: tuple[optuna.trial.FrozenTrial, float] | None = None
     for trial, result in _completed(study, store):
-        if result.status != "ok" or constraint_value(result, spec.memory, extra) > 0:
+        if result.status != "ok" or constraint_value(result, spec.memory, overheads) > 0:
             continue
         value = trial.values[0]
         if best is None or (value > best[1] if maximize else value < best[1]):
@@ -77,11 +78,13 @@ def pareto_trials(
     study: optuna.Study, store: ResultStore, spec: SweepSpec
 ) -> list[optuna.trial.FrozenTrial]:
     """Feasible trials that no other feasible trial beats on both objectives."""
-    extra = overhead(spec.memory, store)
+    overheads = overhead(spec.memory, store)
     feasible = [
         t
         for t, r in _completed(study, store)
-        if r.status == "ok" and constraint_value(r, spec.memory, extra) <= 0 and len(t.values) == 2
+        if r.status == "ok"
+        and constraint_value(r, spec.memory, overheads) <= 0
+        and len(t.values) == 2
     ]
     signs = [1 if d == optuna.study.StudyDirection.MAXIMIZE else -1 for d in study.directions]
 
