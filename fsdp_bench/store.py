@@ -67,6 +67,9 @@ class RunResult:
     """CUDA: device memory in use after the timed steps (largest rank), from the driver: the
     allocator's reserve plus the CUDA context, NCCL buffers and workspaces outside it."""
     tracked_peak_gib: float | None = None
+    """Tracked tensors at the peak on the run's device; on CUDA without host memory."""
+    host_peak_gib: float | None = None
+    """CUDA: tracked tensors in host memory at their peak (CPU offload's shards and state)."""
     memory_breakdown_gib: dict[str, float] | None = None
     peak_memory_source: str | None = None
     estimated_peak_gib: float | None = None

@@ -113,3 +113,31 @@ def test_the_overhead_is_calibrated_per_device_and_world_size(tmp_path: Path) ->
     assert "all world sizes" in overheads.at(16).source  # never measured at 16
     assert overhead(MemoryConfig(overhead_gib=6.0), store).at(8).gib == 6.0
     assert overhead(MemoryConfig(), ResultStore(tmp_path / "empty")).at(8).gib == 0.0
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host() -> None:
+    def estimate(offload: bool) -> tuple[float, float]:
+        run = RunConfig(
+            world_size=8, model=ModelConfig(name="llama3-8b"), fsdp=FsdpConfig(cpu_offload=offload)
+        )
+        found = analytic_estimate(run)
+        return found.peak_bytes, found.host_bytes
+
+    (resident, none), (on_device, host) = estimate(False), estimate(True)
+    params = PRESETS["llama3-8b"].num_params
+    assert none == 0 and host == pytest.approx(params * 16 / 8, rel=1e-3)  # fp32 + grad + Adam
+    assert on_device == pytest.approx(resident - host)
+
+
+@pytest.mark.slow
+def test_the_simulated_offload_estimate_is_the_devices_share() -> None:
+    from fsdp_bench.memory.simulate import simulate
+
+    def run(offload: bool) -> RunConfig:
+        return RunConfig(world_size=4, fsdp=FsdpConfig(cpu_offload=offload))
+
+    resident, offloaded = simulate(run(False)), simulate(run(True))
+    shards = resident.breakdown_bytes["optimizer_state"] // 2  # AdamW: two fp32 moments
+    assert offloaded.host_bytes == pytest.approx(4 * shards, rel=0.01)
+    assert "optimizer_state" not in offloaded.breakdown_bytes
+    assert offloaded.peak_bytes < resident.peak_bytes - resident.breakdown_bytes["optimizer_state"]

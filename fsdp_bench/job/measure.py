@@ -96,6 +96,13 @@ class MemoryReport:
     module_peak_bytes: dict[str, int] = field(default_factory=dict)
     """Peak while each module ran: `<fqn> forward` / `<fqn> backward` -> bytes (last
     micro-batch). The step's peak is the largest of these moments (or of the optimizer's)."""
+    host_peak_bytes: int = 0
+    """On an accelerator: the peak of tensors in host memory (CPU-offloaded shards, gradients
+    and optimizer state), kept apart from the device's peak, which is what a budget limits."""
+    offloaded_shard_bytes: int = 0
+    offloaded_state_bytes: int = 0
+    """Simulated with CPU offload on one CPU: the parameter shards (as many gradient shards)
+    and the optimizer state that a GPU run keeps in host memory, still counted in the peak."""
 
 
 @dataclass
@@ -128,7 +135,7 @@ def profile_step(
     counter = CollectiveCounter()
     with tracker, counter:
         step()
-    memory = _snapshot(tracker)
+    memory = _snapshot(tracker, batches[0][0].device.type)
     if isinstance(model, DistributedDataParallel):
         add_ddp_buckets(memory, model)
     return StepProfile(counter.counts, memory)
@@ -144,14 +151,14 @@ def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:
     memory.breakdown_bytes["ddp_gradient_buckets"] = buckets
 
 
-def _module_peak_bytes(tracker: Any) -> dict[str, int]:
+def _module_peak_bytes(tracker: Any, device_type: str) -> dict[str, int]:
     from torch.distributed._tools.mem_tracker import _ModState
 
     peaks: dict[str, int] = {}
     for stats in tracker.memory_tracking.values():
         for label, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW)):
             totals = [
-                sum(per_device["Total"] for per_device in snapshot.values())
+                sum(v["Total"] for d, v in snapshot.items() if d.type == device_type)
                 for snapshot in stats.snapshots.get(state, [])
             ]
             if totals:
@@ -159,15 +166,20 @@ def _module_peak_bytes(tracker: Any) -> dict[str, int]:
     return peaks
 
 
-def _snapshot(tracker: Any) -> MemoryReport:
+def _snapshot(tracker: Any, device_type: str) -> MemoryReport:
+    """The peak on the run's device (what its memory must hold) and, apart, on the host."""
     snapshot: dict[Any, int] = {}
-    for per_device in tracker.get_tracker_snapshot("peak").values():
+    host = 0
+    for device, per_device in tracker.get_tracker_snapshot("peak").items():
+        if device.type != device_type:
+            host += per_device.get("Total", 0) if device.type == "cpu" else 0
+            continue
         for key, value in per_device.items():
             name = key if isinstance(key, str) else key.value
             snapshot[name] = snapshot.get(name, 0) + value
     total = snapshot.pop("Total", sum(snapshot.values()))
     breakdown = {_category(name): value for name, value in snapshot.items() if value}
-    return MemoryReport(total, breakdown, _module_peak_bytes(tracker))
+    return MemoryReport(total, breakdown, _module_peak_bytes(tracker, device_type), host)
 
 
 def _category(name: str) -> str:

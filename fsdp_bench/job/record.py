@@ -32,6 +32,7 @@ class RankOutcome:
     hostname: str
     step_times_s: list[float]
     tracked_peak_bytes: int
+    """On the run's device (a GPU's own, with CPU offload the host share is apart)."""
     breakdown_bytes: dict[str, int]
     counts: dict[str, int]
     """CollectiveCounts as a dict."""
@@ -47,6 +48,7 @@ class RankOutcome:
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
     device_used_bytes: int | None = None
+    host_peak_bytes: int = 0
     device_index: int | None = None
     sdpa_backend: str | None = None
     parity: dict[str, Any] | None = None
@@ -137,6 +139,7 @@ def _memory(ranks: list[RankOutcome], on_cuda: bool) -> dict[str, Any]:
         "peak_memory_gib": (allocated if on_cuda else tracked) / GIB,
         "peak_reserved_gib": reserved / GIB if on_cuda else None,
         "tracked_peak_gib": tracked / GIB,
+        "host_peak_gib": max(o.host_peak_bytes for o in ranks) / GIB if on_cuda else None,
         "memory_breakdown_gib": {k: v / GIB for k, v in worst.breakdown_bytes.items()},
         "peak_memory_source": "cuda_max_memory_allocated" if on_cuda else "tracked_tensors",
         "allocated_at_start_gib": at_start / GIB if on_cuda else None,

@@ -264,6 +264,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         num_alloc_retries=measured.num_alloc_retries,
         num_ooms=measured.num_ooms,
         device_used_bytes=measured.device_used_bytes,
+        host_peak_bytes=memory.host_peak_bytes,
         device_index=device.index,
         sdpa_backend=_sdpa_backend(run, device),
         parity=parity,

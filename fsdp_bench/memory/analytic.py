@@ -38,6 +38,8 @@ class AnalyticEstimate:
     lower_bound_bytes: float = 0.0
     """The seed's bound before activations and temporaries: steady state + the largest
     unsharded group + the prefetch buffer."""
+    host_bytes: float = 0.0
+    """With CPU offload: the sharded state, held in host memory instead (not in the terms)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -68,7 +70,13 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
     terms["temporaries"] = tokens * shape.vocab_size * (compute_bytes + 4 + 4)
     largest, prefetch = terms.get("largest_unsharded_group", 0), terms.get("prefetch_buffer", 0)
-    return AnalyticEstimate(terms, peak_lower_bound(steady, largest, prefetch))
+    host = 0.0
+    if run.fsdp.cpu_offload and run.strategy != "ddp":  # the sharded state lives on the host
+        host = sum(
+            terms.pop(k) for k in ("sharded_parameters", "sharded_gradients", "optimizer_state")
+        )
+        steady = 0.0
+    return AnalyticEstimate(terms, peak_lower_bound(steady, largest, prefetch), host)
 
 
 def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> dict[str, float]:

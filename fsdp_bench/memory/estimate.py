@@ -21,6 +21,10 @@ from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
+CACHE_VERSION = f"{__version__}/estimator-2"
+"""Cached estimates are used only by the version that made them; the suffix counts changes of
+the estimator within a release (2: CPU offload's host share apart)."""
+
 
 @dataclass
 class RunEstimate:
@@ -33,12 +37,15 @@ class RunEstimate:
     method: str = ""
     analytic_peak_gib: float | None = None
     analytic_terms_gib: dict[str, float] = field(default_factory=dict)
+    estimated_host_gib: float = 0.0
+    """With CPU offload: the host memory the shards and optimizer state take (the estimate
+    itself is the accelerator's share)."""
     analytic_lower_bound_gib: float | None = None
     """The seed's bound before activations: steady state + largest group + prefetch."""
     wall_s: float = 0.0
     error: str = ""
     """Why the simulation failed (the run is then neither pruned nor compared)."""
-    version: str = __version__
+    version: str = CACHE_VERSION
 
     @property
     def peaks(self) -> EstimatedPeaks:
@@ -65,6 +72,7 @@ def estimate_run(run: RunConfig) -> RunEstimate:
     estimate.estimated_peak_gib = simulated.peak_bytes / GIB
     estimate.breakdown_gib = {k: v / GIB for k, v in simulated.breakdown_bytes.items()}
     estimate.method = simulated.method
+    estimate.estimated_host_gib = simulated.host_bytes / GIB
     estimate.wall_s = simulated.wall_s
     return estimate
 
@@ -114,7 +122,7 @@ def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if data.get("version") != __version__:  # the estimator may have changed
+    if data.get("version") != CACHE_VERSION:  # the estimator may have changed
         return None
     try:
         return RunEstimate(**data)

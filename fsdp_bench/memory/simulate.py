@@ -19,9 +19,12 @@ import re
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport, add_ddp_buckets, profile_step
@@ -38,6 +41,9 @@ class SimulatedEstimate:
     method: str
     """`full`, or `extrapolated from N and M blocks`."""
     wall_s: float
+    host_bytes: int = 0
+    """With CPU offload: what stays in host memory (shards, gradients, optimizer state),
+    not part of `peak_bytes`, which is the accelerator's."""
 
 
 def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
@@ -47,8 +53,12 @@ def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
     points = _settled_line(run) if extrapolate else None
     if points is None:
         report = simulate_step(run)
-        return SimulatedEstimate(
-            report.peak_bytes, report.breakdown_bytes, "full", time.perf_counter() - start
+        return _on_device(
+            report.peak_bytes,
+            report.breakdown_bytes,
+            "full",
+            time.perf_counter() - start,
+            (report.offloaded_shard_bytes, report.offloaded_state_bytes),
         )
     (small, a), (large, b) = points
     target = run.model.shape.n_layers
@@ -75,7 +85,20 @@ def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
         scale = peak / max(b.peak_bytes, 1)
         breakdown = {c: round(v * scale) for c, v in b.breakdown_bytes.items()}
         method += f" (parts: the {large}-block model's, scaled)"
-    return SimulatedEstimate(peak, breakdown, method, time.perf_counter() - start)
+    offloaded = (
+        line(a.offloaded_shard_bytes, b.offloaded_shard_bytes),
+        line(a.offloaded_state_bytes, b.offloaded_state_bytes),
+    )
+    return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded)
+
+
+def _on_device(
+    peak: int, breakdown: dict[str, int], method: str, wall_s: float, offloaded: tuple[int, int]
+) -> SimulatedEstimate:
+    if not any(offloaded):
+        return SimulatedEstimate(peak, breakdown, method, wall_s)
+    peak, breakdown, host = device_share(peak, breakdown, *offloaded)
+    return SimulatedEstimate(peak, breakdown, method, wall_s, host)
 
 
 # Extrapolation is trusted once two consecutive slopes agree this closely, measured by what
@@ -138,9 +161,46 @@ def simulate_step(run: RunConfig) -> MemoryReport:
             batches = rank_batches(run, 0, bundle.vocab_size, device)
             make_train_step(model, optimizer, batches, run)()
             memory = profile_step(model, optimizer, batches, run).memory
+            if run.fsdp.cpu_offload and run.strategy != "ddp":
+                _measure_offload(memory, model, optimizer)
     if run.strategy == "ddp":
         add_ddp_buckets(memory, model)
     return memory
+
+
+def _measure_offload(memory: MemoryReport, model: nn.Module, optimizer: Any) -> None:
+    """What CPUOffloadPolicy keeps in host memory: each rank's parameter shards, as many
+    bytes of gradient shards, and the optimizer state."""
+    memory.offloaded_shard_bytes = sum(
+        _local(p).numel() * p.element_size() for p in model.parameters()
+    )
+    memory.offloaded_state_bytes = sum(
+        _local(value).numel() * value.element_size()
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def device_share(
+    peak: int, breakdown: dict[str, int], shard_bytes: int, state_bytes: int
+) -> tuple[int, dict[str, int], int]:
+    """(device peak, its breakdown, host bytes) of a CPU-offload run simulated on one CPU.
+
+    At the peak the device holds what is not host-resident: unsharded parameters and
+    gradients in flight, activations, temporaries; the gradient shards leave it only as far
+    as they exist at the peak."""
+    parts = dict(breakdown)
+    params = min(shard_bytes, parts.get("parameter", 0))
+    grads = min(shard_bytes, parts.get("gradient", 0))
+    moved = params + grads + parts.pop("optimizer_state", 0)
+    parts["parameter"] = parts.get("parameter", 0) - params
+    parts["gradient"] = parts.get("gradient", 0) - grads
+    return peak - moved, parts, 2 * shard_bytes + state_bytes
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
