@@ -131,11 +131,15 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         # On every device: with CPU offload the optimizer step runs on the host.
         torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
         offloads = any(r.fsdp.cpu_offload for r in job.runs)
+        # NCCL's own watchdog aborts the process without a word: it waits longer than this
+        # rank's watchdog, which writes the note first. gloo raises in the main thread, and
+        # its message, which names the operation, comes first.
+        nccl_later_s = 2 * GRACE_S if device.type == "cuda" else 0.0
         init_process_group(
             info,
             device,
             store.jobs_dir / "rendezvous",
-            job.collective_timeout_s,
+            job.collective_timeout_s + nccl_later_s,
             cpu_collectives=job.verify and offloads,
         )
     except BaseException as err:
