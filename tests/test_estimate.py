@@ -105,9 +105,10 @@ def test_estimate_command(tmp_path: Path) -> None:
                "--results", str(tmp_path / "r")]  # fmt: skip
     table = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
     lines = table.strip().splitlines()
-    assert lines[0].split()[:5] == ["run_id", "grouping", "analytic", "simulated", "fits"]
-    assert [line.split()[4] for line in lines[1:3]] == ["yes", "yes"]
-    assert "budget 1 GiB" in lines[-1]
+    header = ["run_id", "grouping", "analytic", "simulated", "overhead", "fits"]
+    assert lines[0].split()[:6] == header
+    assert [line.split()[4:6] for line in lines[1:3]] == [["0.000", "yes"], ["0.000", "yes"]]
+    assert "overhead: none (no measured CUDA runs" in lines[-1] and "budget 1 GiB" in lines[-1]
     rows = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout
     )
