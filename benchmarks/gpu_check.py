@@ -120,7 +120,7 @@ def _plain(value: Any) -> Any:
 
 def environment(check: Check) -> dict[str, Any]:
     from fsdp_bench.job.flops import peak_flops
-    from fsdp_bench.job.record import _driver_version, _nccl_version, device_name
+    from fsdp_bench.job.record import device_name, driver_version, nccl_version
     from fsdp_bench.job.training import fp32_matmul_precision
 
     device = torch.device(check.device, 0) if check.on_gpu else torch.device("cpu")
@@ -137,8 +137,8 @@ def environment(check: Check) -> dict[str, Any]:
         bf16 = peak_flops(name, "bf16", tf32=False)
         info.update(
             cuda=torch.version.cuda,
-            nccl=_nccl_version(),
-            driver=_driver_version(),
+            nccl=nccl_version(),
+            driver=driver_version(),
             peak_flops_bf16=bf16.source if bf16 else "no row matched: no MFU",
             total_gib=total / 2**30,
             used_after_cuda_init_gib=(total - free) / 2**30,

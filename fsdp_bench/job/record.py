@@ -6,6 +6,7 @@ the largest rank's; collectives and group sizes are rank 0's (all ranks issue th
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -195,22 +196,25 @@ def provenance(where: RunContext, ranks: list[RankOutcome]) -> dict[str, Any]:
         "finished_at": now_iso(),
         "device_indices": [o.device_index for o in ranks],
         "cuda_version": torch.version.cuda if on_cuda else None,
-        "nccl_version": _nccl_version() if on_cuda else None,
-        "driver_version": _driver_version() if on_cuda else None,
+        "nccl_version": nccl_version() if on_cuda else None,
+        "driver_version": driver_version() if on_cuda else None,
         "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "fp32_matmul_precision": fp32_matmul_precision(),
     }
 
 
-def _nccl_version() -> str | None:
+@functools.cache
+def nccl_version() -> str | None:
     try:
         return ".".join(str(part) for part in torch.cuda.nccl.version())
     except (AttributeError, RuntimeError):
         return None
 
 
-def _driver_version() -> str | None:
-    """The NVIDIA driver, from nvidia-smi (torch does not expose it)."""
+@functools.cache
+def driver_version() -> str | None:
+    """The NVIDIA driver, from nvidia-smi (torch does not expose it); asked once a process,
+    not once a run."""
     try:
         done = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
