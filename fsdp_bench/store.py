@@ -57,6 +57,8 @@ class RunResult:
     step_times_s: list[float] | None = None
     mfu: float | None = None
     flops_per_token: float | None = None
+    flops_source: str | None = None
+    """How flops_per_token was found: the presets' formula, a model's own, or counted."""
     peak_flops_source: str | None = None
     """The row of the peak-FLOPS table MFU was computed against (device, dtype, TFLOPS)."""
     # Memory (max over ranks)
@@ -130,6 +132,13 @@ class EstimatedPeaks(NamedTuple):
     estimated_peak_gib: float | None = None
     """The simulated estimate (what pruning trusts)."""
     analytic_peak_gib: float | None = None
+
+
+class Flops(NamedTuple):
+    """A run's training FLOPs per token (for MFU), found before launch, copied into its record."""
+
+    flops_per_token: float | None = None
+    flops_source: str | None = None
 
 
 def now_iso() -> str:

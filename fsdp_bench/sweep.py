@@ -20,6 +20,7 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, pack_runs
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore, RunResult, write_atomic
 
 
@@ -57,6 +58,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     launcher = make_launcher(spec.launcher, store.jobs_dir)
     for shape in sorted({(r.world_size, r.nodes) for r in runs}):
         launcher.check(*shape)
+    check_models(runs)  # a broken model stops here: nothing launched, nothing written
     save_grid(spec, store)
     ledger = Ledger(store.jobs_dir / "ledger.json")
     if options.rerun:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fsdp_bench.config.grid import expand, load_grid, parse_grid
 from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig, TrainConfig
@@ -319,3 +321,124 @@ def test_dry_run_lists_runs_without_running(tmp_path: Path) -> None:
     assert lines[1].split()[1:] == ["root", "true", "no"]
     assert lines[-1].startswith("4 runs in 1 jobs")
     assert not (tmp_path / "r").exists()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (
+            b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+            "not a text file in UTF-8 (byte 0x89 at offset 0)",
+        ),
+        (
+            "name: g\n".encode("utf-16"),
+            "not a text file in UTF-8 (byte 0xff at offset 0); it is UTF-16: save it as UTF-8",
+        ),
+    ],
+    ids=["png", "utf-16"],
+)
+def test_cli_reports_undecodable_grid_in_one_line(
+    tmp_path: Path, content: bytes, expected: str
+) -> None:
+    path = tmp_path / "grid.yaml"
+    path.write_bytes(content)
+    done = cli("sweep", str(path), "--dry-run", "--results", str(tmp_path / "r"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"fsdp-bench: error: {path}: {expected}"]
+    assert "Traceback" not in done.stderr
+
+
+def test_undecodable_bytes_are_located(tmp_path: Path) -> None:
+    path = tmp_path / "grid.yaml"
+    path.write_bytes(b"name: g\n\xc3\x28")  # a UTF-8 lead byte without its continuation
+    with pytest.raises(ConfigError) as info:
+        load_grid(path)
+    assert str(info.value) == f"{path}: not a text file in UTF-8 (byte 0xc3 at offset 8)"
+    path.write_bytes(b"\x80" + random.Random(0).randbytes(4096))
+    with pytest.raises(ConfigError, match=r"not a text file in UTF-8 \(byte 0x80 at offset 0\)$"):
+        load_grid(path)
+
+
+@pytest.mark.parametrize("character", ["\x00", "\x07", "\x1b"])
+def test_control_characters_are_one_line_errors(tmp_path: Path, character: str) -> None:
+    path = tmp_path / "grid.yaml"
+    path.write_text(f"name: g\naxes:\n  world_size: [1, 2{character}]\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_grid(path)
+    assert str(info.value) == (
+        f"{path}: not valid YAML: character #x{ord(character):04x} at line 3, column 20: "
+        "control characters are not allowed"
+    )
+
+
+def huge_grid() -> dict[str, Any]:
+    """10^12 points: six axes of 100 values (it could never be expanded)."""
+    keys = ["data.seed", "data.seq_len", "data.micro_batch_size", "measure.timed_steps",
+            "measure.repeats", "train.accumulation_steps"]  # fmt: skip
+    return grid(axes={key: list(range(1, 101)) for key in keys})
+
+
+def test_a_huge_grid_is_refused_by_counting_not_expanding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fsdp_bench.config.grid as grid_module
+
+    def never(*args: Any) -> None:
+        raise AssertionError("a point was built")
+
+    monkeypatch.setattr(grid_module, "_build_run", never)
+    monkeypatch.setattr(grid_module, "_matches", never)
+    spec = parse_grid(huge_grid(), source="grid.yaml")
+    assert grid_module.point_count(spec) == 10**12
+    with pytest.raises(ConfigError) as info:
+        expand(spec)
+    assert str(info.value) == (
+        "grid.yaml: the axes make 1,000,000,000,000 points (before exclude: rules and merging "
+        "equal runs), more than the limit of 100,000; split the grid, or raise the limit with "
+        "--max-runs 1000000000000"
+    )
+
+
+def test_point_count_sums_products_before_exclusions() -> None:
+    from fsdp_bench.config.grid import point_count
+
+    spec = parse_grid(
+        grid(
+            axes=[{"world_size": [1, 2], "fsdp.grouping": ["root", "block"]}, {"data.seed": [1]}],
+            exclude=[{"world_size": 1}],
+        )
+    )
+    assert point_count(spec) == 2 * 2 + 1
+    assert point_count(parse_grid(grid())) == 1  # no axes: the base run
+
+
+def test_max_runs_flag_sets_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_bench.cli.main import main
+
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        yaml.safe_dump(grid(axes={"data.seed": list(range(40)), "world_size": [1, 2, 4]}))
+    )
+    results = ["--results", str(tmp_path / "r")]
+    assert main(["sweep", str(path), "--dry-run", "--max-runs", "100", *results]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fsdp-bench: error: {path}: the axes make 120 points (before exclude: rules and merging "
+        "equal runs), more than the limit of 100; split the grid, or raise the limit with "
+        "--max-runs 120"
+    ]
+    assert main(["sweep", str(path), "--dry-run", "--max-runs", "200", *results]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("120 runs in")
+    for command in (["sweep", str(path), "--status"], ["estimate", str(path)]):
+        assert main([*command, "--max-runs", "100", *results]) == 2
+        assert "more than the limit of 100;" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", str(path), "--dry-run", "--max-runs", "0"])
+    assert info.value.code == 2
+    assert "--max-runs: '0' is not allowed; expected an integer >= 1" in capsys.readouterr().err

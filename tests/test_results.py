@@ -91,7 +91,7 @@ def test_a_record_takes_the_slowest_rank_per_repeat_and_the_largest_peak() -> No
         return RankOutcome(
             hostname="n1", step_times_s=times, tracked_peak_bytes=int(peak_gib * GIB),
             breakdown_bytes={"activation": int(peak_gib * GIB)}, counts=counts,
-            largest_group_bytes=123, num_groups=5, num_params=1000, flops_per_token=None,
+            largest_group_bytes=123, num_groups=5, num_params=1000,
             setup_s=1.0, warmup_s=0.5, parity=parity,
         )  # fmt: skip
 

@@ -6,9 +6,12 @@ import argparse
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_bench.errors import FsdpBenchError
+
+if TYPE_CHECKING:
+    from fsdp_bench.config.grid import SweepSpec
 
 DEFAULT_GRID = "quickstart.yaml"
 
@@ -74,6 +77,7 @@ def _sweep_parser(
         help="launch runs predicted over memory.budget_gib too",
     )
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_max_runs(sweep)
     sweep.set_defaults(handler=_sweep)
     return sweep
 
@@ -89,6 +93,7 @@ def _estimate_parser(
         "--results", type=Path, help="results folder (estimates are cached there)"
     )
     estimate.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_max_runs(estimate)
     estimate.set_defaults(handler=_estimate)
     return estimate
 
@@ -140,18 +145,45 @@ def _report_parser(
     return report
 
 
+def _add_max_runs(parser: argparse.ArgumentParser) -> None:
+    from fsdp_bench.config.grid import DEFAULT_MAX_RUNS
+
+    parser.add_argument(
+        "--max-runs",
+        type=_positive_int,
+        default=DEFAULT_MAX_RUNS,
+        metavar="N",
+        help=f"refuse a grid whose axes make more points (default {DEFAULT_MAX_RUNS:,})",
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected an integer >= 1")
+    return int(text)
+
+
 def _grid_path(given: str | None) -> Path:
     if given is not None:
         return Path(given)
     return Path(str(resources.files("fsdp_bench") / "grids" / DEFAULT_GRID))
 
 
+def _load_grid(args: argparse.Namespace) -> SweepSpec:
+    """The grid named on the command line, with the command's --max-runs."""
+    import dataclasses
+
+    from fsdp_bench.config.grid import load_grid
+
+    return dataclasses.replace(load_grid(_grid_path(args.grid)), max_runs=args.max_runs)
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from fsdp_bench.cli import views
-    from fsdp_bench.config.grid import expand, load_grid
+    from fsdp_bench.config.grid import expand
     from fsdp_bench.sweep import SweepOptions, results_dir_for, run_sweep
 
-    spec = load_grid(_grid_path(args.grid))
+    spec = _load_grid(args)
     if args.dry_run:
         print(views.describe_expansion(spec, args.results))
         return 0
@@ -176,9 +208,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from fsdp_bench.cli import views
-    from fsdp_bench.config.grid import load_grid
 
-    spec = load_grid(_grid_path(args.grid))
+    spec = _load_grid(args)
     print(views.describe_estimates(spec, args.results, args.json))
     return 0
 

@@ -16,6 +16,7 @@ from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import yaml_scalar
 from fsdp_bench.launch.driver import pack_runs
 from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
 
@@ -34,6 +35,7 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 
 def describe_expansion(spec: SweepSpec, results: Path | None) -> str:
     expansion = expand(spec)
+    check_models(expansion.runs)  # a dry run shows a broken model as a real run would
     done = ResultStore(results_dir_for(spec, results)).done_ids()
     keys = axis_keys(spec)
     rows = [
@@ -63,6 +65,7 @@ def describe_status(spec: SweepSpec, results: Path | None) -> str:
 def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> str:
     """Every run's predicted peak per rank: analytic, simulated, with overhead, fits or not."""
     runs = expand(spec).runs
+    check_models(runs)
     store = ResultStore(results_dir_for(spec, results))
     estimates = estimate_runs(runs, store.root / "estimates")
     overheads = overhead(spec.memory, store)

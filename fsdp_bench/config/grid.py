@@ -4,14 +4,16 @@
 "this product, plus one knob at a time against the base"). Equal runs are listed once.
 
 Everything is validated here, before anything runs: a grid either expands into a list of
-valid `RunConfig`s or fails with one line naming the key, the value and what is allowed.
+valid `RunConfig`s or fails with one line naming the key, the value and what is allowed. A
+grid whose products hold more than `max_runs` points is refused by counting them, before any
+is built.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,10 +23,13 @@ from typing import Any
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import MemoryConfig, RunConfig, SearchConfig, canonical_grouping
 from fsdp_bench.config.schema import bad_value, build, coerce, field_paths
-from fsdp_bench.errors import CombinationError, ConfigError, FieldError, one_line, show
+from fsdp_bench.config.yaml_file import read_yaml
+from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
 
 AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+DEFAULT_MAX_RUNS = 100_000
+"""Product points a grid may have unless told otherwise (10^5 points take ~20 s to expand)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,8 @@ class SweepSpec:
     search: SearchConfig = field(default_factory=SearchConfig)
     source: str = "<grid>"
     """Where the grid came from (for messages and provenance)."""
+    max_runs: int = DEFAULT_MAX_RUNS
+    """The most product points `expand` builds (not read from the file: `--max-runs`)."""
 
 
 @dataclass(frozen=True)
@@ -61,20 +68,7 @@ _TOP_KEYS = ("name", "description", "base", "axes", "exclude", "memory", "search
 def load_grid(path: str | Path) -> SweepSpec:
     """Read and validate a grid file completely."""
     path = Path(path)
-    return parse_grid(_load_yaml(path), source=str(path))
-
-
-def _load_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
-    import yaml  # here, not at import: the worker imports this package and must stay light
-
-    try:
-        return yaml.load(text, Loader=_strict_loader())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {one_line(err)}") from None
+    return parse_grid(read_yaml(path), source=str(path))
 
 
 def parse_grid(data: object, *, source: str = "<grid>") -> SweepSpec:
@@ -140,7 +134,7 @@ def _parse_launcher(raw: object, source: str) -> LauncherConfig:
     name = settings.get("cluster")
     if name is not None:
         path = find_cluster_profile(str(name), Path(source).parent)
-        profile = _load_yaml(path)
+        profile = read_yaml(path)
         if not isinstance(profile, Mapping):
             raise ConfigError(f"{path}: a cluster profile is a mapping of launcher settings")
         try:
@@ -262,8 +256,30 @@ def _same(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
+def point_count(spec: SweepSpec) -> int:
+    """Points of the grid's products, before exclusions and merging, counted without building."""
+    return sum(
+        math.prod(len(values) for values in product.values()) for product in spec.axes or ({},)
+    )
+
+
+def check_size(spec: SweepSpec) -> None:
+    """Refuse a grid with more product points than `spec.max_runs`, before building any."""
+    count = point_count(spec)
+    if count > spec.max_runs:
+        raise ConfigError(
+            f"{spec.source}: the axes make {count:,} points (before exclude: rules and merging "
+            f"equal runs), more than the limit of {spec.max_runs:,}; split the grid, or raise "
+            f"the limit with --max-runs {count}"
+        )
+
+
 def expand(spec: SweepSpec) -> Expansion:
-    """The grid's runs in axis order, excluded points removed, equivalent points merged."""
+    """The grid's runs in axis order, excluded points removed, equivalent points merged.
+
+    Refused (`check_size`) when the products hold more than `spec.max_runs` points.
+    """
+    check_size(spec)
     base_run = build(RunConfig, spec.base)
     runs: dict[str, RunConfig] = {}
     excluded = 0
@@ -289,6 +305,22 @@ def search_space(spec: SweepSpec) -> dict[str, tuple[Any, ...]]:
             known = space.setdefault(key, [])
             known += [v for v in values if not any(_same(v, k) for k in known)]
     return {key: tuple(values) for key, values in space.items()}
+
+
+def model_runs(spec: SweepSpec) -> list[RunConfig]:
+    """A run for each model and sequence length the search space can give, other keys at the
+    base (what a search checks its models on before its first trial)."""
+    space = search_space(spec)
+    keys = [k for k in space if k.startswith("model.") or k == "data.seq_len"]
+    runs = []
+    for values in itertools.product(*(space[k] for k in keys)):
+        try:
+            run = run_for_point(spec, dict(zip(keys, values, strict=True)))
+        except FieldError:  # a combination the base cannot take; another point will show it
+            continue
+        if run is not None:
+            runs.append(run)
+    return runs
 
 
 def run_for_point(spec: SweepSpec, point: dict[str, Any]) -> RunConfig | None:
@@ -347,26 +379,3 @@ def get_path(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-@functools.cache
-def _strict_loader() -> type:
-    """SafeLoader that rejects a key given twice in one mapping (YAML silently keeps the last)."""
-    import yaml
-
-    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice", key_node.start_mark
-                )
-            seen.add(key)
-        return loader.construct_mapping(node)
-
-    class StrictLoader(yaml.SafeLoader):
-        pass
-
-    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return StrictLoader

@@ -23,12 +23,14 @@ GROUPING_HELP = (
     "or a list of module-name patterns (e.g. ['layers.*.attention', 'layers.*.feed_forward'])"
 )
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = "tiny"
-    """A preset (tiny, small, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama2-7b) or
+    """A preset (tiny, small, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama2-7b),
+    `hf:PATH` to a transformers config.json (or a folder holding one), or
     `package.module:function` returning an `fsdp_bench.ModelBundle`."""
     tie_embeddings: bool | None = None
     """Share the embedding and LM-head weight; None keeps the preset's choice."""
@@ -40,17 +42,24 @@ class ModelConfig:
     vocab_size: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a user model's function."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """hf: models: config fields to change (e.g. num_hidden_layers: 4 for a quick sweep)."""
+    hf_options: dict[str, Any] = field(default_factory=dict)
+    """hf: models: keyword arguments for `from_config` (e.g. attn_implementation: sdpa)."""
 
     def __post_init__(self) -> None:
+        if not self.is_hf_model:
+            for key in ("hf_overrides", "hf_options"):
+                if getattr(self, key):
+                    raise bad_value(key, getattr(self, key), "for hf: models only")
         if self.is_user_model:
-            if not _IMPORT_PATH.match(self.name):
-                raise bad_value("name", self.name, "expected package.module:function")
+            self._check_user_model()
             return
         if self.name not in PRESETS:
             raise bad_value(
                 "name",
                 self.name,
-                f"expected one of {', '.join(PRESETS)} or package.module:function",
+                f"expected one of {', '.join(PRESETS)}, hf:PATH or package.module:function",
             )
         if self.options:
             raise bad_value("options", self.options, "options are for user models only")
@@ -64,9 +73,29 @@ class ModelConfig:
         if shape.n_heads % shape.n_kv_heads:
             raise bad_value("n_kv_heads", shape.n_kv_heads, f"must divide n_heads {shape.n_heads}")
 
+    def _check_user_model(self) -> None:
+        if self.is_hf_model:
+            if not self.name[len(HF_PREFIX) :].strip():
+                raise bad_value("name", self.name, "expected hf:PATH to a config.json")
+            if self.options:
+                raise bad_value("options", self.options, "hf: models take hf_options")
+        elif not _IMPORT_PATH.match(self.name):
+            raise bad_value(
+                "name", self.name, "expected a preset, hf:PATH or package.module:function"
+            )
+        for key in (*SHAPE_OVERRIDES, "tie_embeddings"):
+            if getattr(self, key) is not None:
+                hint = " (hf: models: hf_overrides)" if self.is_hf_model else ""
+                raise bad_value(key, getattr(self, key), f"for presets only{hint}")
+
     @property
     def is_user_model(self) -> bool:
+        """Not a preset: an import path or a transformers config."""
         return ":" in self.name
+
+    @property
+    def is_hf_model(self) -> bool:
+        return self.name.startswith(HF_PREFIX)
 
     @property
     def shape(self) -> ModelShape:

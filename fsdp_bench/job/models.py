@@ -1,19 +1,23 @@
-"""The model zoo: a Llama-style decoder built on the meta device, and user models by import path.
+"""The model zoo: a Llama-style decoder, user models by import path, transformers models.
 
-Models are built without memory (meta device), sharded, then materialised with `to_empty` and
-`init_weights` (seed 000, section 11): no rank ever holds a full copy of a large model.
+Models are built with their parameters on the meta device (no memory), sharded, then
+materialised with `to_empty` and initialised (seed 000, section 11): no rank ever holds a full
+copy of a large model. Buffers are built for real on the CPU (rotary tables, causal masks:
+small, and computed in constructors that nothing re-runs) and carried through `to_empty`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.presets import ModelShape
 from fsdp_bench.config.run import ModelConfig
@@ -32,7 +36,10 @@ class ModelBundle:
     """The repeated units in forward order (transformer blocks): the `block` grouping unit."""
     vocab_size: int
     flops_per_token: Callable[[int], float] | None = None
-    """Training FLOPs per token for a sequence length (for MFU); None: MFU not reported."""
+    """Training FLOPs per token for a sequence length (for MFU); None: counted on fake
+    tensors before launch."""
+    init: Callable[[nn.Module], None] | None = None
+    """Initialises the materialised (sharded) module in place; None: `default_init`."""
 
 
 class Attention(nn.Module):
@@ -172,33 +179,100 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def build_model(config: ModelConfig) -> ModelBundle:
-    """Build the model on the meta device (no memory is allocated)."""
-    with torch.device("meta"):
+    """Build the model with its parameters on the meta device (no memory is allocated)."""
+    with parameters_on_meta():
+        if config.is_hf_model:
+            from fsdp_bench.job.hf import build_hf_model  # transformers: only when asked for
+
+            module, blocks, vocab_size = build_hf_model(config)
+            return ModelBundle(module=module, blocks=blocks, vocab_size=vocab_size)
         if config.is_user_model:
-            bundle = _call_user_model(config)
-        else:
-            shape = config.shape
-            model = Transformer(shape)
-            bundle = ModelBundle(
-                module=model,
-                blocks=list(model.layers),
-                vocab_size=shape.vocab_size,
-                flops_per_token=shape.flops_per_token,
-            )
-    return bundle
+            return _call_user_model(config)
+        shape = config.shape
+        model = Transformer(shape)
+        return ModelBundle(
+            module=model,
+            blocks=list(model.layers),
+            vocab_size=shape.vocab_size,
+            flops_per_token=shape.flops_per_token,
+        )
 
 
-def init_weights(module: nn.Module) -> None:
-    """Materialised weights: the model's `init_weights`, else each submodule's reset_parameters."""
-    init = getattr(module, "init_weights", None)
-    if callable(init):
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device as it is registered;
+    buffers stay real. (`torch.device("meta")` would make buffers meta too, and a rotary
+    table or causal mask computed in a constructor is then lost: `to_empty` leaves garbage.)
+    A parameter is allocated uninitialised for an instant, one at a time; its constructor's
+    own initialisation then runs on meta, for free."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = param.to("meta")  # a tie made later still points at this one object
+            module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def initialize(bundle: ModelBundle, module: nn.Module) -> None:
+    """Initialise the materialised `module` (the bundle's, possibly wrapped) as the bundle says."""
+    (bundle.init or default_init)(module)
+
+
+@torch.no_grad()
+def default_init(module: nn.Module) -> None:
+    """The model's own `init_weights` where a submodule has one (the outermost; transformers
+    models: their `_init_weights` for every module, then the weight ties), and
+    `reset_parameters` for every module outside those."""
+    owners: list[tuple[nn.Module, Callable[[], None]]] = []
+    covered: set[int] = set()
+    for sub in module.modules():  # parents before children
+        init = getattr(sub, "init_weights", None)
+        if id(sub) not in covered and callable(init):
+            owners.append((sub, init))
+            covered.update(id(m) for m in sub.modules())
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if id(sub) not in covered and callable(reset):
+            reset()
+    for owner, init in owners:
+        # transformers marks what it initialised (on meta, while building) and skips it later
+        for item in (*owner.modules(), *owner.parameters(), *owner.buffers()):
+            item.__dict__.pop("_is_hf_initialized", None)
         init()
-        return
-    with torch.no_grad():
-        for sub in module.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
+
+
+def check_finite(module: nn.Module) -> list[str]:
+    """Names of the parameters and buffers holding NaN or Inf (this rank's shards)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [
+        name
+        for name, tensor in named
+        if tensor.is_floating_point() and not bool(torch.isfinite(_local(tensor)).all())
+    ]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits a model returned: the tensor itself, or a transformers output's `.logits`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"the model returned {type(output).__name__}: expected logits (batch, seq, vocab) "
+        "or an object with .logits"
+    )
 
 
 def load_user_model_function(name: str) -> Callable[..., ModelBundle]:

@@ -7,6 +7,7 @@ parameters are materialised shard by shard (seed 000, sections 04-11).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.models import ModelBundle, init_weights
+from fsdp_bench.job.models import ModelBundle, initialize
 from fsdp_bench.job.post_forward_mesh import shared_post_forward_meshes
 
 
@@ -60,7 +61,7 @@ def parallelize(
     """Turn the meta-device model into a trainable, materialised, parallel model."""
     model, plan = wrap_on_meta(bundle, run, mesh, device)
     materialize(model, device)
-    init_weights(model)
+    initialize(bundle, model)
     if run.strategy == "ddp":
         # Stock DDP as users run it: the C++ reducer (its all-reduces pass through the
         # dispatcher, where the profiled step counts them) and gradients kept as views of
@@ -106,7 +107,7 @@ def plan_groups(bundle: ModelBundle, grouping: str) -> ShardPlan:
     elif (k := grouping_block_count(grouping)) is not None:
         units = [bundle.blocks[i : i + k] for i in range(0, len(bundle.blocks), k)]
     elif grouping == "linear":
-        units = [[m] for m in model.modules() if isinstance(m, nn.Linear)]
+        units = [[m] for m in model.modules() if _is_linear(m)]
     elif grouping.startswith("modules:"):
         units = [[m] for m in _match_patterns(model, grouping[len("modules:") :].split(","))]
     else:
@@ -114,6 +115,11 @@ def plan_groups(bundle: ModelBundle, grouping: str) -> ShardPlan:
     units = _merge_tied(model, units)
     groups = [Group(names=[names[id(m)] for m in unit], modules=unit) for unit in units]
     return ShardPlan([*groups, _root_group(model)])
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's linear layers, weight transposed)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def _root_group(model: nn.Module) -> Group:
@@ -253,16 +259,30 @@ def _checkpoint_blocks(bundle: ModelBundle) -> ModelBundle:
         wrapper = checkpoint_wrapper(block)
         setattr(parent, name, wrapper)
         wrapped.append(wrapper)
-    return ModelBundle(bundle.module, wrapped, bundle.vocab_size, bundle.flops_per_token)
+    return dataclasses.replace(bundle, blocks=wrapped)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate the parameters on `device`, tied ones still tied.
+    """Allocate the parameters on `device`, tied ones still tied, buffers keeping their values.
 
-    FSDP2 keeps shared parameters shared through `to_empty`; a plain module does not."""
+    FSDP2 keeps shared parameters shared through `to_empty`; a plain module does not. Buffers
+    were built for real (`models.parameters_on_meta`): `to_empty` would leave them garbage."""
+    buffers = [
+        (owner, name, buffer)
+        for owner in module.modules()
+        for name, buffer in owner.named_buffers(recurse=False)
+        if buffer.device.type != "meta"
+    ]
     if isinstance(module, FSDPModule):
         module.to_empty(device=device)
-        return
+    else:
+        _to_empty_keeping_ties(module, device)
+    with torch.no_grad():
+        for owner, name, buffer in buffers:
+            owner._buffers[name].copy_(buffer)  # type: ignore[union-attr]
+
+
+def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
     first_holder: dict[int, tuple[nn.Module, str]] = {}
     ties: list[tuple[nn.Module, str, nn.Module, str]] = []
     for sub in module.modules():

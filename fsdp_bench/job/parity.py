@@ -52,6 +52,8 @@ class ParityReport:
     detail: str
     scope: str = "as run"
     """What was compared: the run's own model, or the scaled-down copy (its shape)."""
+    dropout_off: bool = False
+    """The model has dropout, and the check ran without it (timing keeps it)."""
 
 
 def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
@@ -63,6 +65,8 @@ def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
     is what parity is about, and that a narrow, shallow copy keeps: 16-wide heads, the same
     ratio of query to key/value heads, the same FFN ratio, at most 4 blocks (2 groups of K
     for blocks:K), a 512-token vocabulary and sequences of at most 128 tokens."""
+    if run.model.is_hf_model:
+        return _shallow_hf_run(run)
     if run.model.is_user_model or run.model.shape.num_params <= VERIFY_AS_RUN_MAX_PARAMS:
         return run, "as run"
     shape = run.model.shape
@@ -91,6 +95,21 @@ def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
     return scaled, scope
 
 
+def _shallow_hf_run(run: RunConfig) -> tuple[RunConfig, str]:
+    """A transformers model verified with at most 4 blocks (2 groups of K for blocks:K), as
+    wide as it runs; its shape is the model's own business, its depth is not parity's."""
+    from fsdp_bench.job.hf import num_hidden_layers
+
+    layers = num_hidden_layers(run.model)
+    per_group = grouping_block_count(str(run.fsdp.grouping))
+    keep = 2 * per_group if per_group else 4
+    if layers is None or layers <= keep:
+        return run, "as run"
+    overrides = {**run.model.hf_overrides, "num_hidden_layers": keep}
+    model = dataclasses.replace(run.model, hf_overrides=overrides)
+    return dataclasses.replace(run, model=model), f"a shallower copy: {keep} of {layers} blocks"
+
+
 def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: int) -> ParityReport:
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer="sgd"))
     torch.manual_seed(run.data.seed)
@@ -100,6 +119,10 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     reference_bundle = build_model(run.model)
     reference = reference_bundle.module
     materialize(reference, device)
+    dropout_off = has_dropout(reference)
+    if dropout_off:  # no sharded run can repeat one process's dropout masks (seed 000, 12)
+        model.eval()
+        reference.eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
             param.copy_(start[name])
@@ -137,6 +160,19 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         grad_max_abs_diff=grad_diff,
         param_max_abs_diff=param_diff,
         detail="; ".join(d for d in (grad_detail, param_detail) if d),
+        dropout_off=dropout_off,
+    )
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Dropout modules with p > 0, or a config asking for dropout (transformers models whose
+    attention applies it functionally while training)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    settings = vars(getattr(model, "config", None) or object())
+    return any(
+        ("dropout" in key or "pdrop" in key) and isinstance(v, float) and v > 0
+        for key, v in settings.items()
     )
 
 

@@ -10,7 +10,7 @@ import functools
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.timing import summarize_times
 from fsdp_bench.job.training import fp32_matmul_precision
-from fsdp_bench.store import GIB, EstimatedPeaks, RunResult, now_iso
+from fsdp_bench.store import GIB, EstimatedPeaks, Flops, RunResult, now_iso
 
 
 @dataclass
@@ -40,7 +40,6 @@ class RankOutcome:
     largest_group_bytes: int
     num_groups: int
     num_params: int
-    flops_per_token: float | None
     setup_s: float
     warmup_s: float
     cuda_peak_allocated_bytes: int | None = None
@@ -64,6 +63,7 @@ class RunContext:
     started_at: str
     wall_s: float
     peaks: EstimatedPeaks
+    flops: Flops = field(default_factory=Flops)
 
 
 def gather_result(run: RunConfig, outcome: RankOutcome, where: RunContext) -> RunResult | None:
@@ -87,7 +87,7 @@ def build_result(
         status="ok",
         config=to_plain(run),
         reason=parity["detail"] if parity and not parity["ok"] else "",
-        **_throughput(run, ranks, where.device, str(about["device_name"])),
+        **_throughput(run, ranks, where, str(about["device_name"])),
         **_memory(ranks, where.device.type == "cuda"),
         sdpa_backend=first.sdpa_backend,
         **where.peaks._asdict(),
@@ -101,17 +101,16 @@ def build_result(
 
 
 def _throughput(
-    run: RunConfig, ranks: list[RankOutcome], device: torch.device, device_name: str
+    run: RunConfig, ranks: list[RankOutcome], where: RunContext, device_name: str
 ) -> dict[str, Any]:
     repeats = len(ranks[0].step_times_s)
     per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(repeats)]
     times = summarize_times(per_repeat)
     tokens_per_s = run.tokens_per_step / times.median_s
-    flops_per_token = ranks[0].flops_per_token
+    flops_per_token = where.flops.flops_per_token
     tf32 = run.train.fp32_matmul == "tf32"
-    peak = (
-        peak_flops(device_name, run.fsdp.mixed_precision, tf32) if device.type == "cuda" else None
-    )
+    on_cuda = where.device.type == "cuda"
+    peak = peak_flops(device_name, run.fsdp.mixed_precision, tf32) if on_cuda else None
     mfu = None
     if peak and flops_per_token:
         mfu = flops_per_token * tokens_per_s / run.world_size / peak.flop_s
@@ -124,7 +123,7 @@ def _throughput(
         "step_time_spread_pct": times.spread_pct,
         "step_times_s": per_repeat,
         "mfu": mfu,
-        "flops_per_token": flops_per_token,
+        **where.flops._asdict(),
         "peak_flops_source": peak.source if peak else None,
         "timed_s": sum(per_repeat) * run.measure.timed_steps,
     }

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.models import logits_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,8 +44,9 @@ def rank_batches(run: RunConfig, rank: int, vocab_size: int, device: torch.devic
     return batches
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def loss_fn(output: object, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a model's output (logits, or an object with `.logits`)."""
+    return F.cross_entropy(logits_of(output).flatten(0, 1).float(), targets.flatten())
 
 
 def set_fp32_matmul(run: RunConfig, device: torch.device) -> None:

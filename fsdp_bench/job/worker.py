@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.errors import one_line
+from fsdp_bench.errors import ConfigError, one_line
 from fsdp_bench.job.failures import Terminated, classify, fail, mark_started, note_failure
 from fsdp_bench.job.measure import profile_step
-from fsdp_bench.job.models import attention_backend, build_model
+from fsdp_bench.job.models import attention_backend, build_model, check_finite
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result
@@ -52,7 +52,7 @@ from fsdp_bench.job.training import (
     set_fp32_matmul,
 )
 from fsdp_bench.job.watchdog import Watchdog
-from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
+from fsdp_bench.store import EstimatedPeaks, Flops, ResultStore, now_iso
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class JobSpec:
     verify: bool = False
     estimates: dict[str, EstimatedPeaks] = field(default_factory=dict)
     """run_id -> the peaks estimated before launch, copied into each record."""
+    flops: dict[str, Flops] = field(default_factory=dict)
+    """run_id -> FLOPs per token (for MFU), found before launch."""
 
 
 @dataclass
@@ -194,6 +196,7 @@ def _run_one(run: RunConfig, job: JobSpec, context: JobContext) -> bool:
             started_at=started_at,
             wall_s=time.perf_counter() - start,
             peaks=job.estimates.get(run.run_id, EstimatedPeaks()),
+            flops=job.flops.get(run.run_id, Flops()),
         )
         # Inside the handler: rank 0 failing here must end the job, not leave the other
         # ranks waiting in the next collective.
@@ -233,6 +236,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     torch.manual_seed(run.data.seed)
     bundle = build_model(run.model)
     model, plan = parallelize(bundle, run, mesh, device)
+    _check_initialised(run, model, context.info.world_size)
     optimizer = build_optimizer(model, run)
     batches = rank_batches(run, rank, bundle.vocab_size, device)
     step = make_train_step(model, optimizer, batches, run)
@@ -257,9 +261,6 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         largest_group_bytes=plan.largest_group_bytes,
         num_groups=plan.num_groups,
         num_params=sum(g.num_params for g in plan.groups),
-        flops_per_token=bundle.flops_per_token(run.data.seq_len)
-        if bundle.flops_per_token
-        else None,
         setup_s=setup_s,
         warmup_s=measured.warmup_s,
         cuda_peak_allocated_bytes=measured.cuda_peak_allocated_bytes,
@@ -297,7 +298,23 @@ def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, 
     if failed or report is None:
         detail = "the parity check itself failed (the run is still timed): " + "; ".join(failed)
         report = ParityReport(None, None, None, detail)
+    if report.dropout_off:
+        scope += "; dropout off"
     return asdict(dataclasses.replace(report, scope=scope))
+
+
+def _check_initialised(run: RunConfig, model: torch.nn.Module, world_size: int) -> None:
+    """Fail the run (every rank alike) when initialisation left NaN or Inf anywhere: the
+    timed steps would compute on garbage."""
+    found: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(found, check_finite(model))
+    bad = sorted({name for names in found for name in names or ()})
+    if bad:
+        raise ConfigError(
+            f"model.name: {run.model.name}: after initialisation {', '.join(bad[:3])}"
+            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} hold NaN or Inf; "
+            "the model's init does not cover them (give ModelBundle an init)"
+        )
 
 
 def _sdpa_backend(run: RunConfig, device: torch.device) -> str | None:

@@ -32,6 +32,7 @@ from fsdp_bench.launch.verdicts import (
     explain_from_logs,
     read_notes,
 )
+from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
 
 # A job that ends without starting its next run is retried this many times before the run is
@@ -173,6 +174,7 @@ class Driver:
             estimates={
                 r.run_id: self.estimates[r.run_id] for r in runs if r.run_id in self.estimates
             },
+            flops=run_flops(runs),  # checked before launch: from the check's memo
         )
 
     def _waited_enough(self, item: Watched) -> bool:

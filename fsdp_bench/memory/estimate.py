@@ -7,18 +7,15 @@ The simulated figure is what pruning trusts; the analytic one explains it term b
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import traceback
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fsdp_bench import __version__
 from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
+from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
 CACHE_VERSION = f"{__version__}/estimator-2"
@@ -102,16 +99,8 @@ def estimate_runs(
     return found
 
 
-def _compute(runs: list[RunConfig], workers: int | None) -> Any:
-    if len(runs) <= 1:  # not worth a process start
-        yield from (estimate_run(run) for run in runs)
-        return
-    count = min(workers or os.cpu_count() or 1, len(runs))
-    context = multiprocessing.get_context("spawn")  # never fork a process that imported torch
-    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
-        futures = [pool.submit(estimate_run, run) for run in runs]
-        for future in as_completed(futures):
-            yield future.result()
+def _compute(runs: list[RunConfig], workers: int | None) -> Iterator[RunEstimate]:
+    return (estimate for _, estimate in in_subprocesses(estimate_run, runs, workers))
 
 
 def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:

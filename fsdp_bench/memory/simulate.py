@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport, add_ddp_buckets, profile_step
-from fsdp_bench.job.models import build_model, init_weights
+from fsdp_bench.job.models import build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.fake import fake_tensors, fake_world
@@ -61,7 +61,7 @@ def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
             (report.offloaded_shard_bytes, report.offloaded_state_bytes),
         )
     (small, a), (large, b) = points
-    target = run.model.shape.n_layers
+    target = _num_layers(run) or 0
 
     def line(at_small: int, at_large: int) -> int:
         slope = (at_large - at_small) / (large - small)
@@ -114,9 +114,9 @@ def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None
     The first few blocks can still change which moment of the step is the peak (70B: the
     logits' gradient overtakes between 2 and 3 blocks), so slopes are compared until two
     consecutive ones agree."""
-    if run.model.is_user_model:
+    target = _num_layers(run)
+    if target is None:
         return None
-    target = run.model.shape.n_layers
     per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
     depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
     if target % per_group:
@@ -156,7 +156,7 @@ def simulate_step(run: RunConfig) -> MemoryReport:
         model, _ = wrap_on_meta(bundle, run, mesh, device)
         with fake_tensors():
             materialize(model, device)
-            init_weights(model)
+            initialize(bundle, model)
             optimizer = build_optimizer(model, run)
             batches = rank_batches(run, 0, bundle.vocab_size, device)
             make_train_step(model, optimizer, batches, run)()
@@ -208,7 +208,7 @@ def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
     and the last block (the middle ones lie between them), and the modules outside blocks."""
     moments = {}
     for key, value in report.module_peak_bytes.items():
-        match = re.search(r"\.layers\.(\d+)(?=[. ])", key)
+        match = re.search(r"\.(?:layers|h|blocks)\.(\d+)(?=[. ])", key)  # GPT-2: .h.N
         if match:
             index = int(match.group(1))
             if index not in (0, n_layers - 1):
@@ -219,6 +219,20 @@ def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
     return moments
 
 
+def _num_layers(run: RunConfig) -> int | None:
+    """The model's block count, where a copy with another count can be made (presets,
+    transformers configs); None for import-path models."""
+    if run.model.is_hf_model:
+        from fsdp_bench.job.hf import num_hidden_layers
+
+        return num_hidden_layers(run.model)
+    return None if run.model.is_user_model else run.model.shape.n_layers
+
+
 def _with_layers(run: RunConfig, n_layers: int) -> RunConfig:
-    model = dataclasses.replace(run.model, n_layers=n_layers)
+    if run.model.is_hf_model:
+        overrides = {**run.model.hf_overrides, "num_hidden_layers": n_layers}
+        model = dataclasses.replace(run.model, hf_overrides=overrides)
+    else:
+        model = dataclasses.replace(run.model, n_layers=n_layers)
     return dataclasses.replace(run, model=model)

@@ -27,12 +27,13 @@ from typing import Any
 
 import optuna
 
-from fsdp_bench.config.grid import SweepSpec, run_for_point, search_space
+from fsdp_bench.config.grid import SweepSpec, model_runs, run_for_point, search_space
 from fsdp_bench.config.run import RunConfig, SearchConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.search.samplers import make_sampler
 from fsdp_bench.search.trials import (
     INFEASIBLE_STATUSES,
@@ -87,6 +88,7 @@ def run_search(
         spec, launcher=dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel)
     )
     store = ResultStore(results_dir_for(spec, options.results_dir))
+    check_models(model_runs(spec))  # a broken model stops here: nothing launched, nothing written
     save_grid(spec, store)
     study = open_study(spec, store, options.storage)
     # what `report` applies, command-line overrides included (grid.yaml has the file's)

@@ -1,0 +1,200 @@
+"""Each distinct model of a grid, built and stepped once on fake tensors before anything
+launches: the model contract checked, and the training FLOPs per token counted for MFU.
+
+A model that cannot be imported, whose function raises or returns something else than a
+`ModelBundle`, whose blocks are not its submodules, or whose output is not logits of shape
+(batch, seq, vocab), stops the grid with one line naming `model.name`, before any job starts.
+Presets are ours and tested: they are neither built nor counted here (their FLOPs come from
+`ModelShape.flops_per_token`).
+
+FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` over the forward and backward
+of one sequence (matrix products and attention; activation-checkpointing recomputation is not
+counted, since the model is counted unwrapped: MFU measures useful work, as for presets).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_bench.config.run import ModelConfig, RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.errors import ConfigError, one_line
+from fsdp_bench.memory.pool import in_subprocesses
+from fsdp_bench.store import Flops
+
+FORMULA = "formula: 6 x matmul params + 12 x layers x dim x seq (PaLM)"
+OWN_FORMULA = "the model's own flops_per_token"
+COUNTED = "counted: FlopCounterMode, forward + backward on fake tensors"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What building and stepping a model once showed."""
+
+    flops_per_token: dict[int, float]
+    """Sequence length -> training FLOPs per token."""
+    flops_source: str
+    num_params: int
+    num_blocks: int
+
+
+_checked: dict[str, ModelFacts] = {}
+"""Facts by model key and sequence lengths, for the life of the driver process."""
+
+
+def run_flops(runs: list[RunConfig]) -> dict[str, Flops]:
+    """run_id -> FLOPs per token and where the figure came from; every distinct non-preset
+    model is checked first (a `ConfigError` for the first one that breaks the contract)."""
+    facts = check_models(runs)
+    out = {}
+    for run in runs:
+        seq = run.data.seq_len
+        if run.model.is_user_model:
+            found = facts[_key(run.model)]
+            out[run.run_id] = Flops(found.flops_per_token[seq], found.flops_source)
+        else:
+            out[run.run_id] = Flops(run.model.shape.flops_per_token(seq), FORMULA)
+    return out
+
+
+def check_models(runs: list[RunConfig]) -> dict[str, ModelFacts]:
+    """The facts of every distinct non-preset model of `runs` at their sequence lengths,
+    checked in fresh processes (torch and the user's code stay out of the driver)."""
+    wanted: dict[str, tuple[ModelConfig, set[int]]] = {}
+    for run in runs:
+        if run.model.is_user_model:
+            wanted.setdefault(_key(run.model), (run.model, set()))[1].add(run.data.seq_len)
+    missing = [
+        (model, sorted(seqs))
+        for key, (model, seqs) in wanted.items()
+        if key not in _checked or not seqs <= _checked[key].flops_per_token.keys()
+    ]
+    outcomes = dict(in_subprocesses(check_model, missing))
+    for index, (model, _) in enumerate(missing):
+        outcome = outcomes[index]
+        if isinstance(outcome, str):
+            raise ConfigError(outcome)
+        _checked[_key(model)] = outcome
+    return {key: _checked[key] for key in wanted}
+
+
+def _key(model: ModelConfig) -> str:
+    return json.dumps(to_plain(model), sort_keys=True)
+
+
+def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
+    """Build, check and count one model (in a subprocess); the error's one line otherwise."""
+    model, seq_lens = item
+    try:
+        return _check(model, seq_lens)
+    except ConfigError as err:
+        return one_line(err, 400)
+    except Exception as err:  # the user's code: any exception is theirs to see, in one line
+        return f"model.name: {model.name}: {type(err).__name__}: {one_line(err, 300)}"
+
+
+def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
+    import warnings
+
+    from fsdp_bench.job.models import build_model
+
+    warnings.filterwarnings("ignore")  # a user model's deprecation noise is not our message
+    try:
+        bundle = build_model(model)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"model.name: {model.name}: building the model raised "
+            f"{type(err).__name__}: {one_line(err, 300)}"
+        ) from None
+    module = bundle.module
+    inside = {id(m) for m in module.modules()}
+    if not bundle.blocks:
+        raise ConfigError(f"model.name: {model.name}: the bundle's blocks are empty")
+    if any(id(block) not in inside or block is module for block in bundle.blocks):
+        raise ConfigError(
+            f"model.name: {model.name}: the bundle's blocks must be submodules of its module"
+        )
+    counted = count_flops_per_token(model.name, bundle, seq_lens)
+    if bundle.flops_per_token is not None:
+        flops, source = {seq: float(bundle.flops_per_token(seq)) for seq in seq_lens}, OWN_FORMULA
+    else:
+        flops, source = counted, COUNTED
+    return ModelFacts(
+        flops_per_token=flops,
+        flops_source=source,
+        num_params=sum(p.numel() for p in module.parameters()),
+        num_blocks=len(bundle.blocks),
+    )
+
+
+def count_flops_per_token(name: str, bundle: Any, seq_lens: list[int]) -> dict[int, float]:
+    """Training FLOPs per token of one sequence, forward and backward, on fake tensors."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fsdp_bench.job.parallelize import materialize
+    from fsdp_bench.memory.fake import fake_tensors
+
+    flops = {}
+    with fake_tensors():
+        materialize(bundle.module, torch.device("cpu"))
+        for seq_len in seq_lens:
+            tokens = torch.randint(0, bundle.vocab_size, (1, seq_len + 1))
+            with FlopCounterMode(display=False, custom_mapping=_attention_flops()) as counter:
+                _step(name, bundle, tokens)
+            flops[seq_len] = float(counter.get_total_flops()) / seq_len
+    return flops
+
+
+def _attention_flops() -> dict[Any, Any]:
+    """Model FLOPs of fused attention: the forward's two products, and twice that backward
+    (the convention of MFU and of the presets' formula, full rather than causal attention).
+    torch's own table counts the backward kernels' recomputation of the scores too (hardware
+    FLOPs, 2.5x the forward) and leaves the CPU flash kernels out altogether."""
+    import torch
+    from torch.utils import flop_counter
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        return int(flop_counter.sdpa_flop_count(query, key, value))  # shapes, not tensors
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        return 2 * forward(query, key, value)
+
+    aten = torch.ops.aten
+    kernels = [
+        "flash_attention_for_cpu",
+        "flash_attention",
+        "efficient_attention",
+        "cudnn_attention",
+    ]
+    mapping = {}
+    for kernel in kernels:
+        for suffix, formula in (("", forward), ("_backward", backward)):
+            name = f"_scaled_dot_product_{kernel}{suffix}"
+            if hasattr(aten, name):
+                mapping[getattr(aten, name)] = formula
+    return mapping
+
+
+def _step(name: str, bundle: Any, tokens: Any) -> None:
+    """Forward and backward of one sequence, the output checked against the contract."""
+    from fsdp_bench.job.models import logits_of
+    from fsdp_bench.job.training import loss_fn
+
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    output = bundle.module(inputs)
+    try:
+        logits = logits_of(output)
+    except TypeError as err:
+        raise ConfigError(f"model.name: {name}: {one_line(err)}") from None
+    want = (1, inputs.shape[1], bundle.vocab_size)
+    if tuple(logits.shape) != want:
+        raise ConfigError(
+            f"model.name: {name}: the model's logits have shape {tuple(logits.shape)} for "
+            f"{inputs.shape[1]} tokens; expected (batch, seq, vocab_size) = {want}"
+        )
+    loss_fn(output, targets).backward()
