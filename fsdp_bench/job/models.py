@@ -242,10 +242,21 @@ def default_init(module: nn.Module) -> None:
         if id(sub) not in covered and callable(reset):
             reset()
     for owner, init in owners:
-        # transformers marks what it initialised (on meta, while building) and skips it later
-        for item in (*owner.modules(), *owner.parameters(), *owner.buffers()):
-            item.__dict__.pop("_is_hf_initialized", None)
+        _forget_hf_marks(owner)
         init()
+        owner.__dict__.pop("is_custom_code", None)
+
+
+def _forget_hf_marks(model: nn.Module) -> None:
+    """transformers marks what it initialised (on meta, while building) and skips it later.
+    It also takes FSDP2's subclass of the model's class (FSDP<Name>) for remote code, and then
+    skips every module without parameters of its own (GPT-2's attention and MLP, whose
+    `_init_weights` narrows their output projections): nothing here was loaded, so say it is
+    not."""
+    for item in (*model.modules(), *model.parameters(), *model.buffers()):
+        item.__dict__.pop("_is_hf_initialized", None)
+    if callable(getattr(model, "is_custom_code", None)):
+        model.__dict__["is_custom_code"] = lambda: False
 
 
 def check_finite(module: nn.Module) -> list[str]:
@@ -281,10 +292,10 @@ def load_user_model_function(name: str) -> Callable[..., ModelBundle]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"model.name: cannot import {module_name!r} ({err})") from None
+        raise ConfigError(f"model.name: {name}: cannot import {module_name!r} ({err})") from None
     function = getattr(module, attr, None)
     if not callable(function):
-        raise ConfigError(f"model.name: {module_name!r} has no function {attr!r}")
+        raise ConfigError(f"model.name: {name}: {module_name!r} has no function {attr!r}")
     return function
 
 
@@ -292,7 +303,7 @@ def _call_user_model(config: ModelConfig) -> ModelBundle:
     bundle = load_user_model_function(config.name)(**config.options)
     if not isinstance(bundle, ModelBundle):
         raise ConfigError(
-            f"model.name: {config.name} returned {type(bundle).__name__}, "
+            f"model.name: {config.name}: returned {type(bundle).__name__}, "
             "expected fsdp_bench.ModelBundle(module=..., blocks=[...], vocab_size=...)"
         )
     return bundle

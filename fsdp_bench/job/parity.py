@@ -165,15 +165,18 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
 
 
 def has_dropout(model: nn.Module) -> bool:
-    """Dropout modules with p > 0, or a config asking for dropout (transformers models whose
-    attention applies it functionally while training)."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
-    settings = vars(getattr(model, "config", None) or object())
-    return any(
-        ("dropout" in key or "pdrop" in key) and isinstance(v, float) and v > 0
-        for key, v in settings.items()
-    )
+    """Dropout modules with p > 0, or a model config asking for dropout (transformers models
+    whose attention applies it functionally while training)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        settings = getattr(getattr(module, "config", None), "__dict__", {})
+        if any(
+            ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
+            for key, value in settings.items()
+        ):
+            return True
+    return False
 
 
 def _sgd_step(model: nn.Module, lr: float) -> None:

@@ -1,0 +1,367 @@
+"""transformers models as users have them (`model.name: hf:PATH`), initialisation after meta,
+FLOPs counted for any model, and the model contract checked before anything launches."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+from fsdp_bench.cli.main import main
+from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.errors import ConfigError
+from fsdp_bench.job.models import build_model, check_finite
+from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.training import loss_fn, rank_batches
+from fsdp_bench.memory.model_check import COUNTED, count_flops_per_token, run_flops
+from tests.conftest import QUICK_MEASURE, REPO, sweep, write_grid
+
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """hf: names of three tiny architectures: Llama (untied head, rotary), GPT-2 (tied head,
+    learned positions, LayerNorm, Conv1D, dropout), Qwen2 (tied head, q/k/v biases)."""
+    root = tmp_path_factory.mktemp("hf")
+    LlamaConfig(**TINY_LLAMA).save_pretrained(root / "llama")
+    GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0,
+        eos_token_id=0,
+    ).save_pretrained(root / "gpt2")  # fmt: skip
+    Qwen2Config(**TINY_LLAMA, tie_word_embeddings=True).save_pretrained(root / "qwen2")
+    return {name: f"hf:{root / name}" for name in ("llama", "gpt2", "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_built_on_meta_with_blocks_from_no_split_modules(configs: dict[str, str]) -> None:
+    bundle = build_model(ModelConfig(name=configs["llama"]))
+    assert all(p.device.type == "meta" for p in bundle.module.parameters())
+    assert [type(b).__name__ for b in bundle.blocks] == ["LlamaDecoderLayer"] * 2
+    # buffers are real: the rotary table a constructor computed survives
+    eager = build_eager(configs["llama"])
+    assert torch.equal(bundle.module.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)
+    gpt2 = build_model(ModelConfig(name=configs["gpt2"]))
+    assert [type(b).__name__ for b in gpt2.blocks] == ["GPT2Block"] * 2
+    assert gpt2.module.lm_head.weight is gpt2.module.transformer.wte.weight
+
+
+def build_eager(name: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name[len("hf:") :]))
+
+
+def test_overrides_options_and_their_errors(configs: dict[str, str]) -> None:
+    config = ModelConfig(
+        name=configs["llama"],
+        hf_overrides={"num_hidden_layers": 3},
+        hf_options={"attn_implementation": "eager"},
+    )
+    bundle = build_model(config)
+    assert len(bundle.blocks) == 3
+    assert bundle.module.config._attn_implementation == "eager"
+    with pytest.raises(ConfigError, match=r"hf_overrides: 'num_layerz' is not a field of Llama"):
+        build_model(ModelConfig(name=configs["llama"], hf_overrides={"num_layerz": 3}))
+    with pytest.raises(ConfigError, match=r"n_layers: 3 is not allowed; .*hf_overrides"):
+        ModelConfig(name=configs["llama"], n_layers=3)
+    with pytest.raises(ConfigError, match=r"hf_overrides: .* for hf: models only"):
+        ModelConfig(name="tiny", hf_overrides={"num_hidden_layers": 3})
+
+
+def test_without_transformers_one_line_names_the_extra(
+    configs: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now raises ImportError
+    with pytest.raises(ConfigError) as info:
+        build_model(ModelConfig(name=configs["llama"]))
+    assert str(info.value) == (
+        "model.name: hf: models need transformers: pip install 'fsdp-bench[hf]'"
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_init_after_meta_is_complete_and_seeded(
+    configs: dict[str, str], mesh: DeviceMesh, arch: str
+) -> None:
+    run = RunConfig(model=ModelConfig(name=configs[arch]), fsdp=FsdpConfig(grouping="block"))
+
+    def initialised() -> dict[str, torch.Tensor]:
+        torch.manual_seed(run.data.seed)
+        model, _ = parallelize(build_model(run.model), run, mesh, torch.device("cpu"))
+        assert check_finite(model) == []
+        named = [*model.named_parameters(), *model.named_buffers()]
+        return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in named}
+
+    got = initialised()
+    eager_model = build_eager(configs[arch])  # what an eager construction holds
+    eager = dict([*eager_model.named_parameters(), *eager_model.named_buffers()])
+    assert got.keys() == eager.keys()
+    for name, tensor in got.items():
+        if "norm" in name or ".ln_" in name:
+            want = torch.ones_like(tensor) if name.endswith("weight") else torch.zeros_like(tensor)
+            assert torch.equal(tensor, want), name  # what transformers' _init_weights sets
+        elif "inv_freq" in name:
+            assert torch.equal(tensor, eager[name]), name
+        elif tensor.dim() == 2:  # weights: normal, GPT-2's output projections narrower
+            assert tensor.std().item() == pytest.approx(eager[name].std().item(), rel=0.2), name
+    again = initialised()
+    assert all(torch.equal(got[n], again[n]) for n in got)  # the seed decides every value
+
+
+@pytest.mark.parametrize("grouping", ["root", "block", "linear"])
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_tied_embeddings_stay_one_parameter(
+    configs: dict[str, str], mesh: DeviceMesh, arch: str, grouping: str
+) -> None:
+    run = RunConfig(model=ModelConfig(name=configs[arch]), fsdp=FsdpConfig(grouping=grouping))
+    bundle = build_model(run.model)
+    model, _ = parallelize(bundle, run, mesh, torch.device("cpu"))
+    embedding = model.get_input_embeddings()
+    assert model.lm_head.weight is embedding.weight
+    inputs, targets = rank_batches(run, 0, bundle.vocab_size, torch.device("cpu"))[0]
+    loss_fn(model(inputs), targets).backward()  # a tie broken by sharding fails here
+    assert model.lm_head.weight is embedding.weight and embedding.weight.grad is not None
+
+
+def test_flops_counted_for_presets_equal_the_formula() -> None:
+    """Counted on fake tensors (matrix products and attention, forward and backward) against
+    `ModelShape.flops_per_token` (6 x matmul parameters + 12 x layers x dim x seq): equal to
+    the FLOP, since both count the same products (the counter's attention backward taken as
+    twice its forward, without the fused kernels' recomputation of the scores)."""
+    for name in ("tiny", "llama3-1b"):
+        bundle = build_model(ModelConfig(name=name))
+        counted = count_flops_per_token(name, bundle, [128, 2048])
+        for seq_len, flops in counted.items():
+            assert flops == PRESETS[name].flops_per_token(seq_len)
+
+
+def test_flops_of_a_transformers_model_are_counted(configs: dict[str, str]) -> None:
+    run = RunConfig(model=ModelConfig(name=configs["llama"]))
+    flops = run_flops([run])[run.run_id]
+    shape = TINY_LLAMA
+    d, layers, kv = shape["hidden_size"], shape["num_hidden_layers"], 2 * 16  # 2 kv heads of 16
+    per_block = d * d * 2 + d * kv * 2 + 3 * d * shape["intermediate_size"]
+    matmul = layers * per_block + shape["vocab_size"] * d  # the LM head, not the embedding
+    assert flops.flops_source == COUNTED
+    assert flops.flops_per_token == 6 * matmul + 12 * layers * d * run.data.seq_len
+
+
+CONTRACT_MODELS = """
+import torch
+from torch import nn
+from fsdp_bench import ModelBundle
+
+class Net(nn.Module):
+    def __init__(self, out=100):
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, out)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+class Pair(Net):
+    def forward(self, tokens):
+        return (super().forward(tokens),)
+
+def bundle(net):
+    return ModelBundle(module=net, blocks=list(net.blocks), vocab_size=100)
+
+def raises():
+    raise RuntimeError("boom")
+
+def not_a_bundle():
+    return Net()
+
+def empty_blocks():
+    return ModelBundle(module=Net(), blocks=[], vocab_size=100)
+
+def foreign_blocks():
+    return ModelBundle(module=Net(), blocks=[nn.Linear(16, 16)], vocab_size=100)
+
+def wrong_shape():
+    return bundle(Net(out=50))
+
+def no_logits():
+    return bundle(Pair())
+"""
+
+
+@pytest.fixture
+def contract_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "contract_models.py").write_text(CONTRACT_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "contract_models", raising=False)
+    (tmp_path / "no_type.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "garbled.json").write_text("{not json")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_pkg_xyz:build", "cannot import 'no_such_pkg_xyz'"),
+        ("contract_models:missing", "'contract_models' has no function 'missing'"),
+        ("contract_models:raises", "building the model raised RuntimeError: boom"),
+        ("contract_models:not_a_bundle", "returned Net, expected fsdp_bench.ModelBundle"),
+        ("contract_models:empty_blocks", "the bundle's blocks are empty"),
+        ("contract_models:foreign_blocks", "the bundle's blocks must be submodules"),
+        ("contract_models:wrong_shape", "logits have shape (1, 128, 50) for 128 tokens; "
+         "expected (batch, seq, vocab_size) = (1, 128, 100)"),
+        ("contract_models:no_logits", "the model returned tuple: expected logits"),
+        ("hf:{dir}/missing.json", "cannot read {dir}/missing.json (No such file or directory)"),
+        ("hf:{dir}/no_type.json", "has no model_type (not a transformers config.json)"),
+        ("hf:{dir}/garbled.json", "is not a JSON config"),
+    ],
+)  # fmt: skip
+def test_contract_errors_stop_the_grid_before_launch(
+    contract_models: Path, capsys: pytest.CaptureFixture[str], name: str, message: str
+) -> None:
+    name, message = name.format(dir=contract_models), message.format(dir=contract_models)
+    grid = {"name": "broken", "base": {"model": {"name": name}}}
+    path = write_grid(contract_models, grid)
+    results = contract_models / "results"
+    for extra in (["--dry-run"], ["--no-progress"]):
+        assert main(["sweep", str(path), "--results", str(results), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert err[0].startswith(f"fsdp-bench: error: model.name: {name}: ")
+    assert not results.exists()  # nothing launched, nothing written
+
+
+def test_a_broken_model_through_the_real_command_launches_nothing(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "keep.txt").write_text("a user's file")
+    path = write_grid(tmp_path, {"name": "b", "base": {"model": {"name": "no_such_pkg_xyz:build"}}})
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results", str(results)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "fsdp-bench: error: model.name: no_such_pkg_xyz:build: cannot import 'no_such_pkg_xyz' "
+        "(No module named 'no_such_pkg_xyz')"
+    ]
+    assert sorted(p.name for p in results.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_estimate_of_a_shipped_config_at_64_ranks() -> None:
+    from fsdp_bench.memory.estimate import estimate_run
+
+    run = RunConfig(
+        world_size=64,
+        model=ModelConfig(name=f"hf:{REPO / 'sweeps/models/qwen2.5-7b.json'}"),
+        data=DataConfig(seq_len=4096),
+        fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing="block"),
+    )
+    estimate = estimate_run(run)
+    assert estimate.error == "" and estimate.method.startswith("extrapolated from")
+    shard_gib = 7.616e9 * 4 / 64 / 2**30  # fp32 parameters, one 64th each
+    assert estimate.breakdown_gib["parameter"] > shard_gib
+    assert shard_gib * 4 < estimate.estimated_peak_gib < 40  # shards + AdamW, under an H100
+
+
+USER_MODELS = '''
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from fsdp_bench import ModelBundle
+
+def _llama():
+    return LlamaForCausalLM(LlamaConfig(**{shape!r}))
+
+class Logits(nn.Module):
+    """A user's wrapper that returns the logits of a transformers model."""
+    def __init__(self):
+        super().__init__()
+        self.inner = _llama()
+    def forward(self, tokens):
+        return self.inner(tokens).logits
+
+def wrapped():
+    m = Logits()
+    return ModelBundle(module=m, blocks=list(m.inner.model.layers), vocab_size=256)
+
+def raw():
+    m = _llama()
+    return ModelBundle(module=m, blocks=list(m.model.layers), vocab_size=256)
+
+def nan_init():
+    """An init that covers everything but leaves NaN in the final norm."""
+    m = Logits()
+    def init(module):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.fill_(0.01)
+            module.inner.model.norm.weight.fill_(float("nan"))
+    return ModelBundle(module=m, blocks=list(m.inner.model.layers), vocab_size=256, init=init)
+'''
+
+
+@pytest.mark.slow
+def test_transformers_models_sweep_and_verify_at_world_size_2(
+    configs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_models.py").write_text(USER_MODELS.format(shape=TINY_LLAMA))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import it too
+    grid = {
+        "name": "hf",
+        "base": {"world_size": 2, "data": {"seq_len": 32}, "measure": dict(QUICK_MEASURE)},
+        "axes": [
+            {
+                "model.name": [configs["llama"], configs["gpt2"]],
+                "fsdp.grouping": ["root", "block", "linear"],
+                "fsdp.reshard_after_forward": [True, False],
+            },
+            {"model.name": ["user_models:wrapped", "user_models:raw", "user_models:nan_init"]},
+        ],
+        "launcher": {"collective_timeout_s": 30},
+    }
+    _, results = sweep(tmp_path, grid, verify=True)
+    nan = results[results.model == "user_models:nan_init"]
+    assert list(nan.status) == ["error"]
+    assert (
+        "model.name: user_models:nan_init: after initialisation inner.model.norm.weight "
+        "hold NaN or Inf" in nan.reason.iloc[0]
+    )
+    df = results[results.model != "user_models:nan_init"]
+    assert len(df) == 14 and set(df.status) == {"ok"}, df[["model", "status", "reason"]]
+    assert df.parity_ok.all(), df[["model", "grouping", "reason"]]
+    gpt2 = df[df.model == configs["gpt2"]]
+    assert (gpt2.parity_scope == "as run; dropout off").all()
+    assert (df[df.model != configs["gpt2"]].parity_scope == "as run").all()
+    assert (df.flops_source == COUNTED).all() and (df.flops_per_token > 0).all()
+    # GPT-2's tied head is one parameter: wte + wpe + 2 blocks + ln_f, no separate lm_head
+    d = 64
+    block = 4 * d + 3 * d * d + 3 * d + d * d + d + d * 4 * d + 4 * d + 4 * d * d + d
+    assert set(gpt2.num_params) == {256 * d + 256 * d + 2 * block + 2 * d}
+    assert math.isclose(df[df.model == "user_models:raw"].flops_per_token.iloc[0],
+                        df[df.model == configs["llama"]].flops_per_token.iloc[0])  # fmt: skip
