@@ -47,14 +47,30 @@ class RunResult:
     config: dict[str, Any]
     reason: str = ""
     """For failures: the class detail and the tail of the error or log."""
-    # Throughput (timed steps only; step time is the slowest rank's, median over repeats)
+    # Throughput (timed steps only; each step's time is the slowest rank's)
     tokens_per_s: float | None = None
+    """From the median step time."""
     tokens_per_s_per_rank: float | None = None
+    tokens_per_s_ci_low: float | None = None
+    tokens_per_s_ci_high: float | None = None
+    """The 95% interval of tokens/s: the step time's interval, inverted."""
     step_time_s: float | None = None
+    """The median over every timed step."""
+    step_time_ci_low_s: float | None = None
+    step_time_ci_high_s: float | None = None
+    """The 95% interval of the median step time (`fsdp_bench.stats`: order statistics,
+    distribution-free); None with fewer than 6 timed steps."""
+    ci_converged: bool | None = None
+    """With measure.target_ci_pct: whether the interval's half-width came within the target
+    (false: max_repeats ran out first); None without a target."""
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
     step_time_spread_pct: float | None = None
+    """(max - min) / median over every timed step, in percent."""
     step_times_s: list[float] | None = None
+    """Every timed step's seconds (the slowest rank's), repeat after repeat."""
+    timed_repeats: int | None = None
+    """Repeats of measure.timed_steps timed (more than measure.repeats with a target)."""
     mfu: float | None = None
     flops_per_token: float | None = None
     flops_source: str | None = None
@@ -111,7 +127,7 @@ class RunResult:
     """Build, shard and materialise the model, create the optimizer (slowest rank)."""
     warmup_s: float | None = None
     timed_s: float | None = None
-    """Wall time of all timed steps (repeats x timed_steps)."""
+    """Time of all timed steps (the slowest rank's per step, summed)."""
     wall_s: float | None = None
     """The whole run on rank 0, measurement steps and gathering included."""
     provenance: dict[str, Any] = field(default_factory=dict)

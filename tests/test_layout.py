@@ -23,6 +23,7 @@ LAYERS = {
     "fsdp_bench.errors": 0,
     "fsdp_bench.config": 1,
     "fsdp_bench.store": 2,
+    "fsdp_bench.stats": 2,  # pure: the worker and reports use it
     "fsdp_bench.job": 2,  # may import store (the worker writes records)
     "fsdp_bench.study_storage": 2,
     "fsdp_bench.memory": 3,
@@ -38,6 +39,7 @@ REPORT_MAY_IMPORT = (
     "fsdp_bench.errors",
     "fsdp_bench.config",
     "fsdp_bench.store",
+    "fsdp_bench.stats",
     "fsdp_bench.study_storage",
     "fsdp_bench.report",
 )

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.job.failures import classify, classify_text
 from fsdp_bench.job.flops import peak_flops
@@ -83,8 +84,9 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
 
 def test_no_garbage_collection_in_the_timed_steps(one_rank_group: None) -> None:
     seen: list[bool] = []
-    times = time_steps(lambda: seen.append(gc.isenabled()), 2, 3, torch.device("cpu"))
-    assert len(times) == 2 and seen == [False] * 6
+    measure = MeasureConfig(timed_steps=3, repeats=2)
+    times = time_steps(lambda: seen.append(gc.isenabled()), measure, torch.device("cpu"))
+    assert [len(repeat) for repeat in times] == [3, 3] and seen == [False] * 6
     assert gc.isenabled()
 
 

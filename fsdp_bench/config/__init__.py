@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from fsdp_bench.config.grid import Expansion, SweepSpec, expand, load_grid, parse_grid
 from fsdp_bench.config.launcher import LauncherConfig
+from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS, ModelShape
 from fsdp_bench.config.run import (
     DataConfig,
     FaultConfig,
     FsdpConfig,
-    MeasureConfig,
     MemoryConfig,
     ModelConfig,
     RunConfig,

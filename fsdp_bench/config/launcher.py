@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsdp_bench.config.run import at_least
-from fsdp_bench.config.schema import bad_value
+from fsdp_bench.config.schema import at_least, bad_value
 
 # Slurm names (partitions, accounts, QOS, features) and sbatch/srun arguments reach the
 # scheduler quoted, but a value that could only be a typo or an injection is refused up front.

@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS, SHAPE_OVERRIDES, ModelShape, resolve_shape
-from fsdp_bench.config.schema import bad_value, non_default_fields
+from fsdp_bench.config.schema import at_least, bad_value, non_default_fields
 from fsdp_bench.errors import CombinationError
 
 GROUPING_HELP = (
@@ -176,23 +177,6 @@ class TrainConfig:
         at_least(self, "accumulation_steps", 1)
         if not self.learning_rate > 0:
             raise bad_value("learning_rate", self.learning_rate, "expected a number > 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeasureConfig:
-    warmup_steps: int = 2
-    """Untimed optimizer steps before the timed ones (lazy init, allocator, caches); the last
-    one also counts collectives and tracks memory. At least 1: the first step initialises
-    NCCL communicators, cuBLAS handles and FSDP2's lazy state, which must not be timed."""
-    timed_steps: int = 5
-    """Optimizer steps per timed repeat."""
-    repeats: int = 3
-    """Timed repeats; step time is their median, the spread is reported."""
-
-    def __post_init__(self) -> None:
-        at_least(self, "warmup_steps", 1)
-        at_least(self, "timed_steps", 1)
-        at_least(self, "repeats", 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,12 +362,6 @@ class SearchConfig:
     def __post_init__(self) -> None:
         at_least(self, "trials", 1)
         at_least(self, "parallel", 1)
-
-
-def at_least(obj: object, key: str, minimum: int) -> None:
-    value = getattr(obj, key)
-    if value < minimum:
-        raise bad_value(key, value, f"expected an integer >= {minimum}")
 
 
 def _divisors(n: int) -> str:

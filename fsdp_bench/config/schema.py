@@ -24,6 +24,13 @@ def bad_value(key: str, value: object, allowed: str) -> FieldError:
     return FieldError(key, value, allowed)
 
 
+def at_least(obj: object, key: str, minimum: int) -> None:
+    """The standard check of an integer field with a lower bound."""
+    value = getattr(obj, key)
+    if value < minimum:
+        raise bad_value(key, value, f"expected an integer >= {minimum}")
+
+
 def build(cls: type[T], data: object) -> T:
     """Construct dataclass `cls` from a mapping, checking keys and types recursively."""
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]

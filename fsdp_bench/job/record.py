@@ -1,7 +1,8 @@
 """One run's record from every rank's measurements: rank 0 gathers them and writes the record.
 
-Step time is the slowest rank's per repeat (a step ends when the last rank ends it); memory is
-the largest rank's; collectives and group sizes are rank 0's (all ranks issue the same).
+Step time is the slowest rank's per timed step (a step ends when the last rank ends it), and
+the run's step time their median, with its 95% interval (`fsdp_bench.stats`); memory is the
+largest rank's; collectives and group sizes are rank 0's (all ranks issue the same).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.rendezvous import RankInfo
-from fsdp_bench.job.timing import summarize_times
 from fsdp_bench.job.training import fp32_matmul_precision
+from fsdp_bench.stats import TimeSummary, summarize_times
 from fsdp_bench.store import GIB, EstimatedPeaks, Flops, RunResult, now_iso
 
 
@@ -32,6 +33,7 @@ class RankOutcome:
 
     hostname: str
     step_times_s: list[float]
+    """This rank's seconds of every timed step, in order (all ranks time as many)."""
     tracked_peak_bytes: int
     """On the run's device (a GPU's own, with CPU offload the host share is apart)."""
     breakdown_bytes: dict[str, int]
@@ -103,9 +105,9 @@ def build_result(
 def _throughput(
     run: RunConfig, ranks: list[RankOutcome], where: RunContext, device_name: str
 ) -> dict[str, Any]:
-    repeats = len(ranks[0].step_times_s)
-    per_repeat = [max(o.step_times_s[i] for o in ranks) for i in range(repeats)]
-    times = summarize_times(per_repeat)
+    steps = len(ranks[0].step_times_s)
+    slowest = [max(o.step_times_s[i] for o in ranks) for i in range(steps)]
+    times = summarize_times(slowest)
     tokens_per_s = run.tokens_per_step / times.median_s
     flops_per_token = where.flops.flops_per_token
     tf32 = run.train.fp32_matmul == "tf32"
@@ -117,15 +119,31 @@ def _throughput(
     return {
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_rank": tokens_per_s / run.world_size,
+        **_intervals(run, times),
         "step_time_s": times.median_s,
         "step_time_min_s": times.min_s,
         "step_time_max_s": times.max_s,
         "step_time_spread_pct": times.spread_pct,
-        "step_times_s": per_repeat,
+        "step_times_s": slowest,
+        "timed_repeats": steps // run.measure.timed_steps,
         "mfu": mfu,
         **where.flops._asdict(),
         "peak_flops_source": peak.source if peak else None,
-        "timed_s": sum(per_repeat) * run.measure.timed_steps,
+        "timed_s": sum(slowest),
+    }
+
+
+def _intervals(run: RunConfig, times: TimeSummary) -> dict[str, Any]:
+    """The median step time's 95% interval and the tokens/s it bounds (a longer step is
+    fewer tokens/s); whether it met measure.target_ci_pct (None without a target)."""
+    low, high = times.ci_low_s, times.ci_high_s
+    target = run.measure.target_ci_pct
+    return {
+        "tokens_per_s_ci_low": run.tokens_per_step / high if high else None,
+        "tokens_per_s_ci_high": run.tokens_per_step / low if low else None,
+        "step_time_ci_low_s": low,
+        "step_time_ci_high_s": high,
+        "ci_converged": None if target is None else times.within(target),
     }
 
 

@@ -1,14 +1,14 @@
 """How a run is timed: warm-up, one profiled untimed step, timed repeats between barriers.
 
-Nothing but the training step runs inside a timed repeat. Each phase is armed on the rank's
-watchdog with what it may take, so a hang ends as a `timeout` note within about
-launcher.collective_timeout_s.
+Nothing but the training step runs inside a timed repeat; every step's time is kept. Each
+phase is armed on the rank's watchdog with what it may take, so a hang ends as a `timeout` note
+within about launcher.collective_timeout_s.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.measure import StepProfile
 from fsdp_bench.job.watchdog import Watchdog
+from fsdp_bench.stats import within_target
 
 GRACE_S = 5.0
 """Added to every phase's allowance: where the backend raises its own timeout (gloo), its
@@ -31,7 +33,7 @@ class StepMeasurements:
 
     warmup_s: float
     step_times_s: list[float]
-    """Seconds per optimizer step, one entry per timed repeat."""
+    """This rank's seconds of every timed optimizer step, repeat after repeat."""
     profile: StepProfile
     cuda_peak_allocated_bytes: int | None
     cuda_peak_reserved_bytes: int | None
@@ -59,8 +61,8 @@ def measure_steps(
     The profiled step is the last warm-up step when there are enough before it, otherwise it
     comes after the timed steps. Steps before it: one for the optimizer state to exist; two
     under DDP, which reallocates its gradient buckets in the second. A warm-up or profiled
-    step may take `timeout_s` (plus GRACE_S); a timed repeat that plus twice the slowest
-    warm-up step's time for each of its steps.
+    step may take `timeout_s` (plus GRACE_S); a timed repeat, each one a target adds included,
+    that plus twice the slowest warm-up step's time for each of its steps.
     """
     arm = watchdog.arm if watchdog is not None else _no_watchdog
     timeout_s += GRACE_S
@@ -75,17 +77,15 @@ def measure_steps(
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     before = _allocator_counts(device)
-    steps = run.measure.timed_steps
-    allowance_s = timeout_s + 2 * steps * slowest_s
-    step_times = time_steps(
-        step, run.measure.repeats, steps, device, lambda r: arm(f"timed repeat {r}", allowance_s)
-    )
+    allowance_s = timeout_s + 2 * run.measure.timed_steps * slowest_s
+    repeats = time_steps(step, run.measure, device, lambda r: arm(f"timed repeat {r}", allowance_s))
+    step_times = [t for repeat in repeats for t in repeat]
     after = _allocator_counts(device)
     allocated = torch.cuda.max_memory_allocated(device) if on_cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if on_cuda else None
     if profiled is None:
         arm("the profiled step", timeout_s)
-        steps_taken = run.measure.warmup_steps + run.measure.repeats * steps
+        steps_taken = run.measure.warmup_steps + len(step_times)
         for _ in range(settled - steps_taken):
             step()
         profiled = profile()
@@ -143,56 +143,95 @@ def _no_watchdog(phase: str, allowance_s: float) -> None:
 
 def time_steps(
     step: Callable[[], None],
-    repeats: int,
-    steps: int,
+    measure: MeasureConfig,
     device: torch.device,
     before_repeat: Callable[[int], None] | None = None,
-) -> list[float]:
-    """Seconds per optimizer step for each repeat; ranks start each repeat together.
+) -> list[list[float]]:
+    """Seconds of every timed step, per repeat (`repeat_until_tight`); ranks start each repeat
+    together.
 
     Python's garbage collector is off meanwhile (after one collection): a collection inside a
     timed step would be timed as the step's own work, on one rank and not the others."""
-    times = []
+
+    def one_repeat(index: int) -> list[float]:
+        if before_repeat is not None:
+            before_repeat(index)
+        return time_repeat(step, measure.timed_steps, device)
+
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        for repeat in range(repeats):
-            if before_repeat is not None:
-                before_repeat(repeat + 1)
-            synchronize(device)
-            dist.barrier()
-            begin = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize(device)
-            times.append((time.perf_counter() - begin) / steps)
+        return repeat_until_tight(one_repeat, measure, lambda t: slowest_over_ranks(t, device))
     finally:
         if was_enabled:
             gc.enable()
-    return times
+
+
+def repeat_until_tight(
+    time_repeat: Callable[[int], list[float]],
+    measure: MeasureConfig,
+    agree: Callable[[list[float]], list[float]],
+) -> list[list[float]]:
+    """This rank's step times per repeat: `measure.repeats` repeats, then, with a
+    `target_ci_pct`, more until the 95% interval of the median step time is within the target
+    (`stats.within_target`) or `measure.repeat_limit` repeats are done.
+
+    `time_repeat(index)` times repeat `index` (from 1); `agree` turns its step times into the
+    slowest rank's, the same on every rank. Every rank decides on those, so all stop after the
+    same repeat: a rank that stopped while another went on would leave it waiting in a
+    collective until the watchdog ends the run."""
+    own: list[list[float]] = []
+    slowest: list[float] = []
+    target = measure.target_ci_pct
+    while len(own) < measure.repeat_limit:
+        times = time_repeat(len(own) + 1)
+        own.append(times)
+        if target is None:
+            continue
+        slowest += agree(times)
+        if len(own) >= measure.repeats and within_target(slowest, target):
+            break
+    return own
+
+
+def time_repeat(step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` consecutive steps, after a barrier. One clock reading at
+    each boundary between steps, so the steps add up to the repeat's time.
+
+    On CPU a step is done when `step()` returns (the optimizer waits for gloo). On CUDA the
+    reading is an event recorded on the current stream between steps, read after one
+    synchronisation at the end: the steps queue back to back as in training. A synchronisation
+    after every step would instead let the GPU idle while the CPU starts the next step (its
+    hooks, the first all-gather), a cost training does not pay and that weighs most on short
+    steps. FSDP2 and DDP join their communication streams to the current stream before the
+    optimizer steps, so an event after `step()` completes after all of the step's work."""
+    on_cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if on_cuda else []
+    synchronize(device)
+    dist.barrier()
+    if not on_cuda:
+        marks = [time.perf_counter()]
+        for _ in range(steps):
+            step()
+            marks.append(time.perf_counter())
+        return [end - begin for begin, end in itertools.pairwise(marks)]
+    events[0].record()
+    for index in range(steps):
+        step()
+        events[index + 1].record()
+    synchronize(device)
+    return [begin.elapsed_time(end) / 1e3 for begin, end in itertools.pairwise(events)]
+
+
+def slowest_over_ranks(step_times_s: list[float], device: torch.device) -> list[float]:
+    """Each step's time on the slowest rank, on every rank: one all-reduce of a few numbers
+    between repeats, outside the timed region."""
+    tensor = torch.tensor(step_times_s, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(t) for t in tensor.tolist()]
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class TimeSummary:
-    """Per-step wall time over repeats: median and spread (seconds)."""
-
-    median_s: float
-    min_s: float
-    max_s: float
-
-    @property
-    def spread_pct(self) -> float:
-        """(max - min) / median, in percent: how much to trust a ranking by this time."""
-        return 100.0 * (self.max_s - self.min_s) / self.median_s if self.median_s else 0.0
-
-
-def summarize_times(step_times_s: list[float]) -> TimeSummary:
-    return TimeSummary(
-        median_s=statistics.median(step_times_s), min_s=min(step_times_s), max_s=max(step_times_s)
-    )

@@ -207,9 +207,9 @@ def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def repeat_samples(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per timed repeat: tokens/s from each entry of `step_times_s` (the tokens a
-    step processes over that repeat's step time), for error bars. Runs without step times
-    contribute their single tokens/s."""
+    """One row per entry of `step_times_s` (every timed step; one per repeat in records of
+    earlier versions): the tokens a step processes over that time, for error bars. Runs
+    without step times contribute their single tokens/s."""
     records = []
     for index, row in df.iterrows():
         times = row.get("step_times_s")
