@@ -3,6 +3,7 @@ FLOPs counted for any model, and the model contract checked before anything laun
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fsdp_bench.cli.main import main
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.models import build_model, check_finite
 from fsdp_bench.job.parallelize import parallelize
@@ -272,20 +273,26 @@ def test_a_broken_model_through_the_real_command_launches_nothing(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_estimate_of_a_shipped_config_at_64_ranks() -> None:
-    from fsdp_bench.memory.estimate import estimate_run
-
-    run = RunConfig(
-        world_size=64,
-        model=ModelConfig(name=f"hf:{REPO / 'sweeps/models/qwen2.5-7b.json'}"),
-        data=DataConfig(seq_len=4096),
-        fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing="block"),
-    )
-    estimate = estimate_run(run)
-    assert estimate.error == "" and estimate.method.startswith("extrapolated from")
+def test_estimate_of_a_shipped_config_at_64_ranks(tmp_path: Path) -> None:
+    grid = {
+        "name": "qwen64",
+        "base": {
+            "world_size": 64,
+            "model": {"name": f"hf:{REPO / 'sweeps/models/qwen2.5-7b.json'}"},
+            "data": {"seq_len": 4096},
+            "fsdp": {"mixed_precision": "bf16", "activation_checkpointing": "block"},
+        },
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", "estimate", str(write_grid(tmp_path, grid)),
+         "--json", "--results", str(tmp_path / "results")],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    [estimate] = json.loads(done.stdout)
+    assert estimate["error"] == "" and estimate["method"].startswith("extrapolated from")
     shard_gib = 7.616e9 * 4 / 64 / 2**30  # fp32 parameters, one 64th each
-    assert estimate.breakdown_gib["parameter"] > shard_gib
-    assert shard_gib * 4 < estimate.estimated_peak_gib < 40  # shards + AdamW, under an H100
+    assert estimate["breakdown_gib"]["parameter"] > shard_gib
+    assert shard_gib * 4 < estimate["estimated_peak_gib"] < 40  # shards + AdamW, under an H100
 
 
 USER_MODELS = '''
