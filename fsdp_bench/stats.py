@@ -95,3 +95,50 @@ def within_target(step_times_s: Sequence[float], target_ci_pct: float) -> bool:
     """Whether the median's interval is known and its relative half-width is at most the
     target (percent): what ends the repeats of a run with `measure.target_ci_pct`."""
     return bool(step_times_s) and summarize_times(step_times_s).within(target_ci_pct)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A run's throughput (higher is better) and what says how well it is known: the 95%
+    interval (None: fewer than 6 timed steps) and the range of its single steps, percent."""
+
+    value: float
+    low: float | None = None
+    high: float | None = None
+    spread_pct: float | None = None
+
+
+def indistinguishable(a: Estimate, b: Estimate) -> bool:
+    """Whether two runs cannot be told apart (the rule behind every "tied with the best").
+
+    With both intervals known: tied when they overlap. When either is missing (too few
+    steps): tied when the values differ by less than the larger of the two step spreads,
+    relative to the larger value; with either spread unknown too, tied (nothing bounds the
+    noise). The
+    reading is conservative on purpose: a winner is only claimed when clearly separated.
+    """
+    if None not in (a.low, a.high, b.low, b.high):
+        assert a.low is not None and a.high is not None  # for mypy
+        assert b.low is not None and b.high is not None
+        return a.low <= b.high and b.low <= a.high
+    reference = max(a.value, b.value)
+    if a.spread_pct is None or b.spread_pct is None or reference <= 0:
+        return True
+    return 100.0 * abs(a.value - b.value) / reference < max(a.spread_pct, b.spread_pct)
+
+
+def tie_marks(estimates: Sequence[Estimate | None]) -> list[str]:
+    """For each estimate: "best" (the highest value, the first of equals), "tied" (cannot be
+    told apart from the best by `indistinguishable`) or "" (clearly slower, or None: a run
+    that does not compete, such as a failed one)."""
+    competing = [(i, e) for i, e in enumerate(estimates) if e is not None]
+    marks = [""] * len(estimates)
+    if not competing:
+        return marks
+    first, best = max(competing, key=lambda pair: (pair[1].value, -pair[0]))
+    for i, estimate in competing:
+        if i == first:
+            marks[i] = "best"
+        elif indistinguishable(best, estimate):
+            marks[i] = "tied"
+    return marks

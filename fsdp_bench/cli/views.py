@@ -21,6 +21,8 @@ from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from fsdp_bench.search import SearchOutcome
 
 
@@ -153,6 +155,8 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
         f"best feasible: {spec.search.metric} {value:,.6g} (trial {trial.number}, run "
         f"{result.run_id}), peak {result.peak_memory_gib:.3f} GiB per rank{fits}"
     )
+    results = load_results(outcome.results_dir)
+    lines += _tied_lines(outcome, spec, results, result.run_id)
     run = build(RunConfig, result.config)
     lines += [
         "",
@@ -161,7 +165,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
     ]
     lines += ["in your training script (Python):", _indent(fully_shard_code(run))]
     finished = {str(t.user_attrs["run_id"]) for t in trials if "run_id" in t.user_attrs}
-    table = ranking(load_results(outcome.results_dir), finished)
+    table = ranking(results, finished)
     lines += [f"top {top} of {len(table)} runs:", format_ranking(table.head(top))]
     if spec.search.multi_objective:
         front = pareto_trials(outcome.study, store, spec)
@@ -171,6 +175,21 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
             *(f"  {run_id}" for run_id in front_ids),
         ]
     return "\n".join(lines)
+
+
+def _tied_lines(
+    outcome: SearchOutcome, spec: SweepSpec, results: pd.DataFrame, best_run_id: str
+) -> list[str]:
+    """The feasible runs that cannot be told apart from the best one by tokens/s
+    (`fsdp_bench.stats.indistinguishable`); nothing when the search's metric is another."""
+    from fsdp_bench.report.ties import tied_with
+    from fsdp_bench.search import feasible_run_ids
+
+    if spec.search.metric != "tokens_per_s" or results.empty:
+        return []
+    feasible = feasible_run_ids(outcome.study, ResultStore(outcome.results_dir), spec)
+    tied = tied_with(results[results["run_id"].isin(feasible)], best_run_id)
+    return [f"tied with the best: {', '.join(tied)}"] if tied else []
 
 
 def _indent(text: str) -> str:

@@ -220,7 +220,9 @@ def _measured_sections(
             "Effect of each axis",
             "tokens/s and peak memory relative to the axis's most common value, in runs equal "
             "in every other setting (world size included): the median ratio over matched "
-            "pairs. Above 1× means faster or more memory.",
+            "pairs. Above 1× means faster or more memory. The tokens/s interval spans "
+            "every pair's (from both runs' 95% intervals); an effect differs from 1× only "
+            "when that whole interval lies on one side of 1.",
             [("", report_tables.effects_table(effects))],
         ),
         html_report.Section(
@@ -307,7 +309,8 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
 
 
 def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
-    """One sentence per world size: the best configuration spelled out and its numbers."""
+    """One sentence per world size: the best configuration spelled out and its numbers, and
+    the runs tied with it (`best_per_world_size`'s `tied`)."""
     columns = varying(df, config_columns(df, SCALE_COLUMNS))
     by_id = df.drop_duplicates("run_id").set_index("run_id")
     lines = []
@@ -319,9 +322,11 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
         run = by_id.loc[str(row["run_id"])]
         assert isinstance(run, pd.Series)
         config = describe_config(run, columns) or "the only configuration"
+        tied = row.get("tied")
+        also = f"; tied with the best: {tied}" if isinstance(tied, str) and tied else ""
         lines.append(
             f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
-            f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']})."
+            f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
         )
     return "\n".join(lines)
 

@@ -7,10 +7,12 @@ failures in some cells) and returns an empty frame rather than raising when noth
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
 
+from fsdp_bench.report import ties
 from fsdp_bench.report.configs import (
     EFFECT_AXES,
     SCALE_COLUMNS,
@@ -69,10 +71,12 @@ def fits(df: pd.DataFrame, budget_gib: float | None) -> pd.Series:
 def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFrame:
     """For every world size in the table, the fastest run that fits the budget.
 
-    Ties go to the lower peak memory, then the run_id. A world size where nothing fits keeps
-    its row, with no run_id and a note saying why (all failed, or all over budget).
+    Equal tokens/s go to the lower peak memory, then the run_id. `tied` lists the other runs
+    there that fit and cannot be told apart from the best (`fsdp_bench.stats.indistinguishable`),
+    fastest first, comma-separated. A world size where nothing fits keeps its row, with no
+    run_id and a note saying why (all failed, or all over budget).
     """
-    columns = ["world_size", "run_id", "tokens_per_s", "peak_memory_gib", "note"]
+    columns = ["world_size", "run_id", "tokens_per_s", "peak_memory_gib", "tied", "note"]
     if df.empty:
         return pd.DataFrame(columns=columns)
     good = df[fits(df, budget_gib)]
@@ -93,6 +97,7 @@ def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFr
                 "run_id": best["run_id"],
                 "tokens_per_s": float(best["tokens_per_s"]),
                 "peak_memory_gib": float(best["peak_memory_gib"]),
+                "tied": ", ".join(ties.tied_with(here, str(best["run_id"]))),
                 "note": "",
             }
         )
@@ -103,7 +108,8 @@ def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFr
     for column in shown:
         values = [by_id.at[r, column] if isinstance(r, str) else None for r in table["run_id"]]
         table[column] = pd.Series(values, index=table.index, dtype=object)
-    return table[["world_size", "run_id", *shown, "tokens_per_s", "peak_memory_gib", "note"]]
+    metrics = ["tokens_per_s", "peak_memory_gib", "tied", "note"]
+    return table[["world_size", "run_id", *shown, *metrics]]
 
 
 def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
@@ -111,7 +117,8 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
     baseline value, in runs identical in everything else (world size included).
 
     The median ratio over those matched pairs is the effect; `pairs` says how many there were
-    (0: no run with this value has a twin at the baseline, so no effect is claimed).
+    (0: no run with this value has a twin at the baseline, so no effect is claimed). The
+    tokens/s ratio's interval and `differs_from_1` are `_ratio_interval`'s.
     """
     columns = [
         "axis",
@@ -119,9 +126,13 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
         "value",
         "pairs",
         "tokens_per_s_ratio",
+        "tokens_per_s_ratio_ci",
+        "differs_from_1",
         "peak_memory_ratio",
     ]
     ok = ok_runs(df)
+    ok = ok.assign(**{c: pd.to_numeric(ok[c]) if c in ok else math.nan for c in CI_COLUMNS})
+    measured = ["tokens_per_s", "peak_memory_gib", *CI_COLUMNS]
     rows: list[dict[str, Any]] = []
     identity = config_columns(df)
     for axis in varying(ok, [c for c in EFFECT_AXES if c in df.columns]):
@@ -129,14 +140,14 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
         others = config_keys(ok, [c for c in identity if c != axis])
         values = ok[axis].map(key)
         at_base = ok[values == key(base)].assign(_k=others[values == key(base)])
-        at_base = at_base.groupby("_k")[["tokens_per_s", "peak_memory_gib"]].median()
+        at_base = at_base.groupby("_k")[measured].median()
         at_base = at_base.add_suffix("_base")
         for value in ordered_unique(ok[axis]):
             if key(value) == key(base):
                 continue
             mask = values == key(value)
             here = ok[mask].assign(_k=others[mask])
-            here = here.groupby("_k")[["tokens_per_s", "peak_memory_gib"]].median()
+            here = here.groupby("_k")[measured].median()
             matched = here.join(at_base, how="inner")
             rows.append(
                 {
@@ -147,6 +158,7 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
                     "tokens_per_s_ratio": _median_ratio(
                         matched["tokens_per_s"], matched["tokens_per_s_base"]
                     ),
+                    **_ratio_interval(matched),
                     "peak_memory_ratio": _median_ratio(
                         matched["peak_memory_gib"], matched["peak_memory_gib_base"]
                     ),
@@ -158,6 +170,31 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
 def _median_ratio(values: pd.Series, base: pd.Series) -> float:
     ratios = (values / base).dropna()
     return float(ratios.median()) if len(ratios) else float("nan")
+
+
+CI_COLUMNS = ["tokens_per_s_ci_low", "tokens_per_s_ci_high"]
+
+
+def _ratio_interval(matched: pd.DataFrame) -> dict[str, Any]:
+    """The tokens/s ratio's interval over matched pairs and whether it tells the effect from 1.
+
+    Each pair's ratio lies in [low / base's high, high / base's low] when both runs' 95%
+    intervals hold their true medians; the effect's interval is the hull of its pairs'
+    (lowest low, highest high), so an effect is claimed ("yes") only when every pair's
+    interval lies on the same side of 1; "no": it holds 1 (indistinguishable from no effect);
+    "unknown": some pair has a run without an interval (too few steps).
+    """
+    if matched.empty:
+        return {"tokens_per_s_ratio_ci": None, "differs_from_1": "-"}
+    low = matched["tokens_per_s_ci_low"] / matched["tokens_per_s_ci_high_base"]
+    high = matched["tokens_per_s_ci_high"] / matched["tokens_per_s_ci_low_base"]
+    if low.isna().any() or high.isna().any():
+        return {"tokens_per_s_ratio_ci": None, "differs_from_1": "unknown"}
+    hull = (float(low.min()), float(high.max()))
+    return {
+        "tokens_per_s_ratio_ci": hull,
+        "differs_from_1": "no" if hull[0] <= 1 <= hull[1] else "yes",
+    }
 
 
 def scaling_efficiency(df: pd.DataFrame) -> pd.DataFrame:

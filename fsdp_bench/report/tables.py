@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from fsdp_bench.report import ties
 from fsdp_bench.report.configs import key, varying
 from fsdp_bench.store import CONFIG_COLUMNS, FSDP_ONLY_COLUMNS
 
@@ -31,6 +32,9 @@ METRIC_COLUMNS = [
 
 HEADERS = {
     "tokens_per_s": "tokens/s",
+    "tokens_per_s_ci": "tokens/s 95% CI",
+    ties.MARKS_COLUMN: "tie",
+    "tied": "tied with the best",
     "tokens_per_s_per_rank": "tokens/s per rank",
     "step_time_s": "step s",
     "step_time_spread_pct": "spread",
@@ -69,8 +73,22 @@ def _percent(decimals: int) -> Callable[[Any], str]:
     return lambda value: "-" if _missing(value) else f"{100 * value:.{decimals}f}%"
 
 
+def _interval(value: Any) -> str:
+    """A (low, high) pair of tokens/s as "9,100-9,800"."""
+    if not isinstance(value, tuple):
+        return "-"
+    return f"{value[0]:,.0f}-{value[1]:,.0f}"
+
+
+def _ratio_interval(value: Any) -> str:
+    """A (low, high) pair of ratios as "0.95-1.10×"."""
+    return f"{value[0]:.2f}-{value[1]:.2f}×" if isinstance(value, tuple) else "-"
+
+
 FORMATS: dict[str, Callable[[Any], str]] = {
     "tokens_per_s": _num("{:,.0f}"),
+    "tokens_per_s_ci": _interval,
+    "tokens_per_s_ratio_ci": _ratio_interval,
     "tokens_per_s_per_rank": _num("{:,.0f}"),
     "peak_memory_gib": _num("{:.3f}"),
     "peak_reserved_gib": _num("{:.3f}"),
@@ -125,7 +143,9 @@ def varying_axes(df: pd.DataFrame) -> list[str]:
 
 
 def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
-    """Runs ranked by tokens/s (failures last), with the columns that tell them apart."""
+    """Runs ranked by tokens/s (failures last), with the columns that tell them apart: after
+    tokens/s its 95% interval (when any run has one) and the `tie` mark ("best", "tied":
+    cannot be told apart from the best by `fsdp_bench.stats.indistinguishable`, or "")."""
     if run_ids is not None:
         df = df[df["run_id"].isin(list(run_ids))]
     if df.empty:
@@ -134,6 +154,21 @@ def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFr
         ["_ok", "tokens_per_s"], ascending=[False, False], na_position="last"
     )
     metrics = [c for c in METRIC_COLUMNS if c in df and df[c].notna().any()]
+    if "tokens_per_s" in metrics:
+        added = [ties.MARKS_COLUMN]
+        ordered = ordered.assign(**{ties.MARKS_COLUMN: ties.marks(ordered)})
+        if {"tokens_per_s_ci_low", "tokens_per_s_ci_high"} <= set(df.columns):
+            pairs = [
+                ties.interval(lo, hi)
+                for lo, hi in zip(
+                    ordered["tokens_per_s_ci_low"], ordered["tokens_per_s_ci_high"], strict=True
+                )
+            ]
+            if any(p is not None for p in pairs):
+                ordered = ordered.assign(tokens_per_s_ci=pd.Series(pairs, index=ordered.index))
+                added.insert(0, "tokens_per_s_ci")
+        at = metrics.index("tokens_per_s") + 1
+        metrics[at:at] = added
     return ordered[["run_id", *varying_axes(df), *metrics]].reset_index(drop=True)
 
 
@@ -155,12 +190,15 @@ def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
             for b, v in zip(effects["baseline"], effects["value"], strict=True)
         ]
     )
-    table = table[["axis", "change", "pairs", "tokens_per_s_ratio", "peak_memory_ratio"]]
+    shown_columns = ["axis", "change", "pairs", "tokens_per_s_ratio"]
+    shown_columns += [c for c in ("tokens_per_s_ratio_ci", "differs_from_1") if c in table]
     return shown(
-        table,
+        table[[*shown_columns, "peak_memory_ratio"]],
         {
             "pairs": "matched pairs",
             "tokens_per_s_ratio": "tokens/s ×",
+            "tokens_per_s_ratio_ci": "tokens/s × interval",
+            "differs_from_1": "differs from 1×",
             "peak_memory_ratio": "peak memory ×",
         },
     )

@@ -5,13 +5,19 @@ memory budget is found (the searcher, its samplers, and the trials read back).""
 from __future__ import annotations
 
 from fsdp_bench.search.searcher import SearchOptions, SearchOutcome, open_study, run_search
-from fsdp_bench.search.trials import best_feasible, counted_trials, pareto_trials
+from fsdp_bench.search.trials import (
+    best_feasible,
+    counted_trials,
+    feasible_run_ids,
+    pareto_trials,
+)
 
 __all__ = [
     "SearchOptions",
     "SearchOutcome",
     "best_feasible",
     "counted_trials",
+    "feasible_run_ids",
     "open_study",
     "pareto_trials",
     "run_search",

@@ -66,6 +66,17 @@ def best_feasible(
     return best
 
 
+def feasible_run_ids(study: optuna.Study, store: ResultStore, spec: SweepSpec) -> list[str]:
+    """The run ids of the completed trials whose run ran ok and fits: the candidates
+    `best_feasible` chooses from, and those that can be tied with it."""
+    overheads = overhead(spec.memory, store)
+    return [
+        result.run_id
+        for _, result in _completed(study, store)
+        if result.status == "ok" and constraint_value(result, spec.memory, overheads) <= 0
+    ]
+
+
 def _completed(
     study: optuna.Study, store: ResultStore
 ) -> list[tuple[optuna.trial.FrozenTrial, RunResult]]:

@@ -1,0 +1,63 @@
+"""Which runs of a results frame cannot be told apart from the best: the rule of
+`fsdp_bench.stats.indistinguishable` on each ok run's tokens/s, its 95% interval and its
+step-time spread."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from fsdp_bench.stats import Estimate, indistinguishable, tie_marks
+
+MARKS_COLUMN = "tie"
+
+
+def _number(row: pd.Series, column: str) -> float | None:
+    value: Any = row.get(column)
+    return None if value is None or pd.isna(value) else float(value)
+
+
+def estimate(row: pd.Series) -> Estimate | None:
+    """A run's tokens/s as an Estimate; None when it did not finish ok with a throughput."""
+    value = _number(row, "tokens_per_s")
+    if row.get("status") != "ok" or value is None:
+        return None
+    return Estimate(
+        value=value,
+        low=_number(row, "tokens_per_s_ci_low"),
+        high=_number(row, "tokens_per_s_ci_high"),
+        spread_pct=_number(row, "step_time_spread_pct"),
+    )
+
+
+def marks(df: pd.DataFrame) -> pd.Series:
+    """ "best", "tied" or "" for each row of `df` (same index), among its ok runs."""
+    found = [estimate(row) for _, row in df.iterrows()]
+    return pd.Series(tie_marks(found), index=df.index, dtype=object)
+
+
+def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
+    """The ok runs of `df` other than `run_id` that cannot be told apart from it, fastest
+    first."""
+    rows = df.drop_duplicates("run_id").set_index("run_id", drop=False)
+    if run_id not in rows.index:
+        return []
+    row = rows.loc[run_id]
+    assert isinstance(row, pd.Series)  # run ids are unique after drop_duplicates
+    best = estimate(row)
+    if best is None:
+        return []
+    others = rows.drop(index=run_id).sort_values("tokens_per_s", ascending=False)
+    return [
+        str(other["run_id"])
+        for _, other in others.iterrows()
+        if (found := estimate(other)) is not None and indistinguishable(best, found)
+    ]
+
+
+def interval(low: Any, high: Any) -> tuple[float, float] | None:
+    """A (low, high) pair, or None when either end is missing."""
+    if low is None or high is None or pd.isna(low) or pd.isna(high):
+        return None
+    return float(low), float(high)
