@@ -26,13 +26,11 @@ lint: install
 
 # Command 2 of the README: install everything (Python packages, and munge + Slurm from
 # Debian packages for the testbed the Slurm tests start, chromium for the HTML report test),
-# lint, type-check, run every test: two test modules at a time (pytest-xdist), each module on
-# one worker (its fixtures built once; the Slurm tests are one module); much of a test's time
-# is waiting on process starts and on the scheduler, which the other worker fills.
+# lint, type-check, run every test.
 test: lint
 	slurm/testbed/install.sh
 	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
-	$(BIN)/python -m pytest -n 2 --dist loadscope
+	$(BIN)/python -m pytest
 
 # The edit loop's lane (under 3 minutes): lint, type-check, and the tests that need neither
 # the Slurm testbed, a browser, a GPU nor long multi-process runs (not marked slow, slurm or

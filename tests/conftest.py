@@ -71,8 +71,6 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if not os.environ.get("CI"):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:  # a pytest-xdist worker: the controller sees every worker's reports
-        return
     bad = [r for r in reporter.stats.get("skipped", []) if "no GPU" not in str(r.longrepr)]
     if bad:
         reporter.write_line(f"CI: {len(bad)} test(s) skipped for a reason other than 'no GPU':")

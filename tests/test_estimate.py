@@ -33,7 +33,9 @@ KNOBS = [
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_simulated_estimate_matches_measured_peak(tmp_path: Path, world_size: int) -> None:
-    grid = tiny_grid("accuracy", KNOBS, world_size=world_size, data={"micro_batch_size": 2})
+    # every knob at 2 ranks; at 4 (oversubscribing 2 cores), grouping x resharding and DDP
+    knobs = KNOBS if world_size == 2 else [KNOBS[0], KNOBS[-1]]
+    grid = tiny_grid("accuracy", knobs, world_size=world_size, data={"micro_batch_size": 2})
     outcome, df = sweep(tmp_path, grid)
     assert outcome.statuses == {"ok": len(df)}
     error = (df.estimated_peak_gib - df.tracked_peak_gib).abs() / df.tracked_peak_gib
@@ -51,7 +53,7 @@ def test_extrapolation_matches_full_simulation() -> None:
     ):
         run = RunConfig(
             world_size=16,
-            model=ModelConfig(name="small", n_layers=24),
+            model=ModelConfig(name="small", n_layers=18),  # blocks:2 extrapolates from 18 on
             data=DataConfig(micro_batch_size=2, seq_len=256),
             fsdp=fsdp,
         )
