@@ -114,8 +114,8 @@ def indistinguishable(a: Estimate, b: Estimate) -> bool:
     With both intervals known: tied when they overlap. When either is missing (too few
     steps): tied when the values differ by less than the larger of the two step spreads,
     relative to the larger value; with either spread unknown too, tied (nothing bounds the
-    noise). The
-    reading is conservative on purpose: a winner is only claimed when clearly separated.
+    noise). The reading is conservative on purpose: a winner is only claimed when clearly
+    separated.
     """
     if None not in (a.low, a.high, b.low, b.high):
         assert a.low is not None and a.high is not None  # for mypy
