@@ -12,7 +12,9 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import torch.distributed as dist
 import yaml
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import load_grid
@@ -22,6 +24,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Fast measurement for tests that check behaviour, not speed.
 QUICK_MEASURE = {"warmup_steps": 1, "timed_steps": 1, "repeats": 1}
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real one-process gloo group for the test (collectives on the rank side in-process)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
+    """A real one-process gloo group for the module, enough to shard and run forward and
+    backward in-process."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
 
 
 def write_grid(folder: Path, grid: dict[str, Any]) -> Path:

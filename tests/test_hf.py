@@ -7,14 +7,12 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fsdp_bench.cli.main import main
@@ -45,14 +43,6 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     ).save_pretrained(root / "gpt2")  # fmt: skip
     Qwen2Config(**TINY_LLAMA, tie_word_embeddings=True).save_pretrained(root / "qwen2")
     return {name: f"hf:{root / name}" for name in ("llama", "gpt2", "qwen2")}
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def test_built_on_meta_with_blocks_from_no_split_modules(configs: dict[str, str]) -> None:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_bench.config.presets import PRESETS
@@ -19,15 +17,6 @@ from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import parallelize, plan_groups
 from fsdp_bench.job.training import loss_fn, rank_batches
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
-    """A real one-process gloo group, enough to shard and run forward/backward in-process."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def test_preset_sizes_match_the_published_models() -> None:

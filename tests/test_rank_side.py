@@ -6,12 +6,9 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS
@@ -70,16 +67,6 @@ def test_threads_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     assert _cpus_for_rank(info) == 16  # 64 cores shared by the 4 ranks of this node
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_no_garbage_collection_in_the_timed_steps(one_rank_group: None) -> None:

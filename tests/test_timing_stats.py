@@ -6,12 +6,9 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_bench.config.grid import parse_grid
 from fsdp_bench.config.measure import MeasureConfig
@@ -219,16 +216,6 @@ def test_measure_settings_in_python_and_their_repeat_limit() -> None:
     assert MeasureConfig(repeats=4, target_ci_pct=2.0).repeat_limit == 12
     assert MeasureConfig(repeats=4, target_ci_pct=2.0, max_repeats=5).repeat_limit == 5
     assert RunConfig().run_id == RunConfig(measure=MeasureConfig()).run_id  # ids unchanged
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_real_rank_times_every_step_and_stops_where_the_rule_says(one_rank_group: None) -> None:
