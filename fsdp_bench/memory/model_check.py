@@ -15,6 +15,7 @@ counted, since the model is counted unwrapped: MFU measures useful work, as for 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +86,14 @@ def _key(model: ModelConfig) -> str:
 
 
 def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
-    """Build, check and count one model (in a subprocess); the error's one line otherwise."""
+    """Build, check and count one model (in a subprocess, or here when it is the only one);
+    the error's one line otherwise. A user model's warnings are not our message, and are
+    silenced for the check only."""
     model, seq_lens = item
     try:
-        return _check(model, seq_lens)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _check(model, seq_lens)
     except ConfigError as err:
         return one_line(err, 400)
     except Exception as err:  # the user's code: any exception is theirs to see, in one line
@@ -96,11 +101,8 @@ def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
 
 
 def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
-    import warnings
-
     from fsdp_bench.job.models import build_model
 
-    warnings.filterwarnings("ignore")  # a user model's deprecation noise is not our message
     try:
         bundle = build_model(model)
     except ConfigError:
