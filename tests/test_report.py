@@ -564,8 +564,9 @@ def test_html_report_in_headless_chromium(
     assert len(probe["images"]) == len(FIGURES)
     assert all(image["complete"] and image["width"] > 0 for image in probe["images"]), probe
     best = summaries.best_per_world_size(load_results(quickstart_results), None)
-    for run_id in best["run_id"]:
-        assert f"(run {run_id})" in probe["text"]
+    for _, row in best.iterrows():
+        tied = f"; tied with the best: {row['tied']}" if row["tied"] else ""
+        assert f"(run {row['run_id']}{tied})" in probe["text"]
     headlines = re.findall(r'<p class="headline">(.*?)</p>', page, re.S)
     assert len(headlines) == 2, "one line per world size"
     assert all(html.unescape(line) in probe["text"] for line in headlines)
