@@ -204,7 +204,9 @@ def modelled_tokens_per_s(run: RunConfig) -> float:
 def replay(table: Table, sampler: str, prune: bool, seed: int) -> Outcome:
     """One search through the real loop, answered from the table; trials: the grid's size."""
     size = len(table.records)
-    search = dataclasses.replace(table.spec.search, trials=size, sampler=sampler, seed=seed)
+    search = dataclasses.replace(  # runs until the best was launched: no confirmation round
+        table.spec.search, trials=size, sampler=sampler, seed=seed, confirm_top_k=0
+    )
     launcher_config = dataclasses.replace(table.spec.launcher, poll_interval_s=1e-4)
     spec = dataclasses.replace(table.spec, search=search, launcher=launcher_config)
     with tempfile.TemporaryDirectory() as folder:

@@ -69,8 +69,12 @@ class RunResult:
     """(max - min) / median over every timed step, in percent."""
     step_times_s: list[float] | None = None
     """Every timed step's seconds (the slowest rank's), repeat after repeat."""
+    round_step_time_s: list[float] | None = None
+    """With measure.rounds > 1: each pass's median step time, in pass order (a drift of the
+    machine over the job shows as a trend); step_times_s pools them all."""
     timed_repeats: int | None = None
-    """Repeats of measure.timed_steps timed (more than measure.repeats with a target)."""
+    """Repeats of measure.timed_steps timed, over all passes (more than measure.repeats with
+    a target, rounds x repeats with measure.rounds)."""
     mfu: float | None = None
     flops_per_token: float | None = None
     flops_source: str | None = None
@@ -122,6 +126,28 @@ class RunResult:
     parity_param_max_abs_diff: float | None = None
     parity_scope: str | None = None
     """What was compared: "as run", or the scaled-down copy of a large model (its shape)."""
+    # The machine around the run (`fsdp_bench.job.load`): sampled before the model is built
+    # and after the timed steps, each in a 0.1 s window while the run's ranks sleep
+    contended: bool | None = None
+    """True when something else competed: processes outside the run used more than
+    `load.CONTENDED_CPU_PCT` (10%) of a host's CPU in either window or over the run, or another
+    process was on one of the run's GPUs. None: not sampled (failures, older records)."""
+    contention: str = ""
+    """What made the run contended, in one line ("" when quiet)."""
+    load_per_core_start: float | None = None
+    load_per_core_end: float | None = None
+    """The 1-minute load average over the cores (largest host); counts the run's own ranks
+    and lags, so it is recorded but decides nothing."""
+    other_cpu_start_pct: float | None = None
+    other_cpu_end_pct: float | None = None
+    """Percent of a host's CPU (all cores = 100) that processes other than the run's ranks
+    used in each window (largest host)."""
+    other_cpu_run_pct: float | None = None
+    """The same from the start window to the end window: over the run, its timed steps
+    included (largest host and pass)."""
+    gpu_other_processes: int | None = None
+    """CUDA with NVML (`pynvml`): the most processes other than the run's seen on any one of
+    its GPUs, at start or end; None without NVML or on CPU."""
     # Provenance
     setup_s: float | None = None
     """Build, shard and materialise the model, create the optimizer (slowest rank)."""

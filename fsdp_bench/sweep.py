@@ -17,7 +17,7 @@ from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.launch import ALIVE_STATES, Launcher, make_launcher
+from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, pack_runs
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.memory.model_check import check_models
@@ -29,6 +29,8 @@ class SweepOptions:
     results_dir: Path | None = None
     rerun: bool = False
     """Run again (and replace) runs that are already recorded; old records are kept aside."""
+    rerun_contended: bool = False
+    """Run again (and replace) the recorded runs marked `contended`; old records kept aside."""
     verify: bool = False
     """Check each configuration against a single-process step before timing it."""
     prune: bool = True
@@ -58,18 +60,23 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     launcher = make_launcher(spec.launcher, store.jobs_dir)
     for shape in sorted({(r.world_size, r.nodes) for r in runs}):
         launcher.check(*shape)
+    ledger = Ledger(store.jobs_dir / "ledger.json")
+    watched = _reattach(ledger, launcher, {r.run_id: r for r in runs})
+    if launcher.kind == "local":  # nothing computes beside a run an earlier driver left timing
+        Driver(store, ledger, spec, options.verify).wait_for(launcher, watched)
+        _note_other_jobs(launcher)
     check_models(runs)  # a broken model stops here: nothing launched, nothing written
     save_grid(spec, store)
-    ledger = Ledger(store.jobs_dir / "ledger.json")
     if options.rerun:
         _set_aside(store, [r.run_id for r in runs])
+    elif options.rerun_contended:
+        _set_aside(store, [r.run_id for r in runs if _contended(store.get(r.run_id))])
     done = store.done_ids()
     outcome = SweepOutcome(
         results_dir=store.root,
         run_ids=[r.run_id for r in runs],
         already_recorded=sum(r.run_id in done for r in runs),
     )
-    watched = _reattach(ledger, launcher, {r.run_id: r for r in runs})
     busy = {r.run_id for w in watched for r in w.runs}
     todo = [r for r in runs if r.run_id not in done and r.run_id not in busy]
     started = time.perf_counter()
@@ -208,6 +215,27 @@ def _updater(bar: Any) -> Any:
         bar.set_postfix_str(f"{counts} | {last}", refresh=True)
 
     return update
+
+
+def wait_for_earlier_jobs(spec: SweepSpec, store: ResultStore, launcher: Launcher) -> None:
+    """A local search's `Driver.wait_for` before anything computes: the jobs of the ledger.
+    (Without their configurations only the ranks' own watchdogs bound the wait.)"""
+    if launcher.kind == "local":
+        ledger = Ledger(store.jobs_dir / "ledger.json")
+        Driver(store, ledger, spec, False).wait_for(launcher, _reattach(ledger, launcher, {}))
+
+
+def _note_other_jobs(launcher: Launcher) -> None:
+    others = launcher.other_jobs() if isinstance(launcher, LocalLauncher) else []
+    if others:
+        print(
+            f"fsdp-bench: note: other local jobs are running on this machine (pids "
+            f"{', '.join(map(str, others))}); runs timed beside busy ones are recorded contended"
+        )
+
+
+def _contended(result: RunResult | None) -> bool:
+    return result is not None and result.contended is True
 
 
 def _set_aside(store: ResultStore, run_ids: list[str]) -> None:

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.simulate import simulate
 from tests.conftest import REPO, started_counts, sweep, tiny_grid, write_grid
 
@@ -44,23 +45,37 @@ def test_simulated_estimate_matches_measured_peak(tmp_path: Path, world_size: in
     assert df.analytic_peak_gib.notna().all()
 
 
+def simulated(item: tuple[RunConfig, bool]) -> tuple[str, int]:
+    """(method, peak bytes) of one simulation; top level, for the process pool."""
+    run, extrapolate = item
+    estimate = simulate(run, extrapolate=extrapolate)
+    return estimate.method, estimate.peak_bytes
+
+
 def test_extrapolation_matches_full_simulation() -> None:
-    for fsdp in (
+    configs = [
         FsdpConfig(),
         FsdpConfig(grouping="blocks:2", reshard_after_forward=False),
         FsdpConfig(grouping="root", activation_checkpointing="block"),
         FsdpConfig(prefetch=2, mixed_precision="bf16"),
-    ):
-        run = RunConfig(
+    ]
+    runs = [
+        RunConfig(
             world_size=16,
             model=ModelConfig(name="small", n_layers=18),  # blocks:2 extrapolates from 18 on
             data=DataConfig(micro_batch_size=2, seq_len=256),
             fsdp=fsdp,
         )
-        fast, full = simulate(run), simulate(run, extrapolate=False)
-        assert fast.method.startswith("extrapolated") and full.method == "full"
-        assert fast.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01), fsdp
-        # How much faster extrapolating is: benchmarks/estimate_accuracy.py (not a test assert).
+        for fsdp in configs
+    ]
+    # The full simulations first, so the two processes share the long ones.
+    items = [(run, False) for run in runs] + [(run, True) for run in runs]
+    found = dict(in_subprocesses(simulated, items, workers=2))
+    for index, fsdp in enumerate(configs):
+        (full_method, full_peak), (fast_method, fast_peak) = found[index], found[index + 4]
+        assert fast_method.startswith("extrapolated") and full_method == "full"
+        assert fast_peak == pytest.approx(full_peak, rel=0.01), fsdp
+    # How much faster extrapolating is: benchmarks/estimate_accuracy.py (not a test assert).
 
 
 def test_estimates_at_world_sizes_beyond_this_machine() -> None:

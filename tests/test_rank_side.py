@@ -15,10 +15,9 @@ from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.job.failures import classify, classify_text
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.models import attention_backend, attention_inputs
-from fsdp_bench.job.rendezvous import RankInfo, pick_device
+from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device
 from fsdp_bench.job.timing import time_steps
 from fsdp_bench.job.watchdog import Watchdog
-from fsdp_bench.job.worker import _cpus_for_rank
 
 # Texts as torch, CUDA, cuBLAS, NCCL and gloo print them (shortened where they run on).
 FAILURE_TEXTS = [
@@ -63,10 +62,10 @@ def test_each_local_rank_gets_a_gpu_of_its_own() -> None:
 def test_threads_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     info = RankInfo(rank=0, local_rank=0, world_size=8, num_nodes=2, job_id="1", attempt=0)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "12")
-    assert _cpus_for_rank(info) == 12
+    assert cpus_for_rank(info) == 12
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
     monkeypatch.setattr("os.cpu_count", lambda: 64)
-    assert _cpus_for_rank(info) == 16  # 64 cores shared by the 4 ranks of this node
+    assert cpus_for_rank(info) == 16  # 64 cores shared by the 4 ranks of this node
 
 
 def test_no_garbage_collection_in_the_timed_steps(one_rank_group: None) -> None:

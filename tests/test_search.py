@@ -50,7 +50,7 @@ GRID = {
     },
     # tracked peaks per rank: 16-26 MiB; 21 MiB keeps fp32 root and reshard false out
     "memory": {"budget_gib": 0.0205},
-    "search": {"trials": 10, "seed": 1},
+    "search": {"trials": 10, "seed": 1, "confirm_top_k": 0},  # confirmation: test_confirm.py
     "launcher": {"collective_timeout_s": 30},
 }
 
@@ -87,7 +87,7 @@ def test_search_finds_a_feasible_best_and_never_launches_a_predicted_oom(tmp_pat
 
 @pytest.mark.slow
 def test_search_resumes_after_a_kill_without_repeating(tmp_path: Path) -> None:
-    grid = {**GRID, "search": {"trials": 6, "seed": 2}}
+    grid = {**GRID, "search": {"trials": 6, "seed": 2, "confirm_top_k": 0}}
     grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 2, "timed_steps": 8, "repeats": 2}}
     path = write_grid(tmp_path, grid)
     results = tmp_path / "r"
@@ -243,7 +243,7 @@ def test_a_recorded_space_is_searched_from_the_store_without_launching(
 ) -> None:
     """Every point already recorded: each sampler covers the 12 points (a point proposed again
     is free, so the budget counts distinct points) and names the fastest that fits."""
-    grid = {**GRID, "search": {"trials": 12, "seed": 0, "sampler": sampler}}
+    grid = {**GRID, "search": {"trials": 12, "seed": 0, "sampler": sampler, "confirm_top_k": 0}}
     spec = load_grid(write_grid(tmp_path, grid))
     store = ResultStore(tmp_path / "r")
     expected = record_every_point(spec, store)
@@ -271,7 +271,9 @@ def record_every_point(spec: Any, store: ResultStore) -> str:
 
 
 def test_a_database_storage_holds_the_study(tmp_path: Path) -> None:
-    spec = load_grid(write_grid(tmp_path, {**GRID, "search": {"trials": 5, "seed": 0}}))
+    spec = load_grid(
+        write_grid(tmp_path, {**GRID, "search": {"trials": 5, "seed": 0, "confirm_top_k": 0}})
+    )
     store = ResultStore(tmp_path / "r")
     record_every_point(spec, store)
     url = f"sqlite:///{tmp_path / 'shared.db'}"

@@ -288,7 +288,13 @@ def test_search_keeps_parallel_trials_in_flight(
         },
         measure={"warmup_steps": 1, "timed_steps": 8, "repeats": 1},
     )
-    grid["search"] = {"trials": 6, "parallel": 2, "sampler": "random", "seed": 4}
+    grid["search"] = {
+        "trials": 6,
+        "parallel": 2,
+        "sampler": "random",
+        "seed": 4,
+        "confirm_top_k": 0,
+    }
     spec = load_grid(write_grid(tmp_path, grid))
     watcher = QueueWatcher()
     watcher.start()

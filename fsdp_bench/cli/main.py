@@ -67,6 +67,11 @@ def _sweep_parser(
     )
     sweep.add_argument("--rerun", action="store_true", help="run recorded runs again")
     sweep.add_argument(
+        "--rerun-contended",
+        action="store_true",
+        help="run again the recorded runs measured while something else competed (contended)",
+    )
+    sweep.add_argument(
         "--verify",
         action="store_true",
         help="check each configuration against a single-process step before timing it",
@@ -111,6 +116,10 @@ def _search_parser(
     search.add_argument("--sampler", choices=["tpe", "random", "grid", "gp"])
     search.add_argument("--seed", type=int)
     search.add_argument("--metric", help="results column to optimise (search.metric)")
+    search.add_argument(
+        "--confirm-top-k", type=int, help="best configurations measured again (0: none)"
+    )
+    search.add_argument("--confirm-rounds", type=int, help="interleaved passes to confirm them")
     search.add_argument(
         "--multi-objective", action="store_true", help="optimise the metric and peak memory"
     )
@@ -193,6 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
     options = SweepOptions(
         results_dir=args.results,
         rerun=args.rerun,
+        rerun_contended=args.rerun_contended,
         verify=args.verify,
         prune=not args.no_prune,
         progress=not args.no_progress,
@@ -214,6 +224,18 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+SEARCH_FLAGS = (
+    "trials",
+    "parallel",
+    "sampler",
+    "seed",
+    "metric",
+    "confirm_top_k",
+    "confirm_rounds",
+)
+"""Command-line flags that override the search section's key of that name."""
+
+
 def _search(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -222,11 +244,7 @@ def _search(args: argparse.Namespace) -> int:
     from fsdp_bench.search import SearchOptions, run_search
 
     spec = load_grid(_grid_path(args.grid))
-    overrides = {
-        key: getattr(args, key)
-        for key in ("trials", "parallel", "sampler", "seed", "metric")
-        if getattr(args, key) is not None
-    }
+    overrides = {k: getattr(args, k) for k in SEARCH_FLAGS if getattr(args, k) is not None}
     if args.multi_objective:
         overrides["multi_objective"] = True
     spec = dataclasses.replace(spec, search=_replace_checked(spec.search, overrides))
@@ -292,6 +310,12 @@ def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
     failed = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
     if len(failed):
         print(f"{len(failed)} runs did not finish ok; see 'reason' in the results.")
+    contended = int(table["contended"].eq(True).sum()) if "contended" in table else 0
+    if contended:
+        print(
+            f"{contended} runs were measured while something else competed for the machine "
+            "(contended; see 'contention'); --rerun-contended measures them again"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from fsdp_bench.sweep import results_dir_for, sweep_status
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fsdp_bench.search import SearchOutcome
+    from fsdp_bench.search import Candidate, Confirmation, SearchOutcome
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
@@ -156,11 +156,20 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
         f"{result.run_id}), peak {result.peak_memory_gib:.3f} GiB per rank{fits}"
     )
     results = load_results(outcome.results_dir)
-    lines += _tied_lines(outcome, spec, results, result.run_id)
+    confirmation = outcome.confirmation
+    if confirmation is not None and confirmation.winner is not None:
+        lines += _confirmation_lines(confirmation, spec)
+        result = confirmation.winner.trial
+    else:
+        lines += _tied_lines(outcome, spec, results, result.run_id)
+        lines += _confirmation_lines(confirmation, spec) if confirmation else []
+    if outcome.confirm_skipped:
+        lines.append(f"no confirmation round: {outcome.confirm_skipped}")
     run = build(RunConfig, result.config)
+    confirmed = confirmation is not None and confirmation.winner is not None
     lines += [
         "",
-        "as a grid base (YAML):",
+        f"{'the confirmed best' if confirmed else 'the best feasible'} as a grid base (YAML):",
         _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
     ]
     lines += ["in your training script (Python):", _indent(fully_shard_code(run))]
@@ -190,6 +199,61 @@ def _tied_lines(
     feasible = feasible_run_ids(outcome.study, ResultStore(outcome.results_dir), spec)
     tied = tied_with(results[results["run_id"].isin(feasible)], best_run_id)
     return [f"tied with the best: {', '.join(tied)}"] if tied else []
+
+
+def _confirmation_lines(confirmation: Confirmation, spec: SweepSpec) -> list[str]:
+    """The confirmed winner with its interval, those tied with it, the candidates that
+    failed, and the trials' best when the winner is another configuration."""
+    lines = [
+        f"confirmation: the {len(confirmation.candidates)} best feasible configurations "
+        f"measured again, {confirmation.rounds} rounds interleaved in {confirmation.shapes} "
+        "job(s), one per world size and node count (runs of different shapes cannot share a "
+        "process group: they alternate only within their shape)"
+    ]
+    winner = confirmation.winner
+    if winner is None:
+        lines.append("  no candidate was measured again: the trials' best stands unconfirmed")
+    else:
+        lines.append(f"  confirmed best: {_confirmed(winner, spec)}")
+        if confirmation.tied:
+            tied = "; ".join(_confirmed(c, spec) for c in confirmation.tied)
+            lines.append(f"  tied with the best: {tied}")
+    for failed in confirmation.failed:
+        lines.append(f"  not confirmed: {_config_name(failed, spec)}: {failed.problem}")
+    best = confirmation.trial_best
+    if confirmation.winner_differs and best is not None:
+        if best in confirmation.tied:
+            verdict = "tied with the confirmed best"
+        elif best.competes:
+            verdict = f"slower when measured again: {best.estimate.value:,.6g} tokens/s"
+        else:
+            verdict = "not confirmed"
+        lines.append(
+            f"  the trials' best was another: trial run {best.trial.run_id} "
+            f"({best.trial.tokens_per_s:,.6g} tokens/s in its trial), {verdict}"
+        )
+    if confirmation.error:
+        lines.append(f"  the round stopped early: {confirmation.error}")
+    return lines
+
+
+def _confirmed(candidate: Candidate, spec: SweepSpec) -> str:
+    """tokens/s with its 95% interval, and which configuration (run id: the confirmation's)."""
+    estimate = candidate.estimate
+    shown = f"{estimate.value:,.6g} tokens/s"
+    if estimate.low is not None and estimate.high is not None:
+        shown += f" (95% CI {estimate.low:,.6g}-{estimate.high:,.6g})"
+    else:
+        shown += " (no 95% CI: fewer than 6 timed steps)"
+    return f"{shown}, {_config_name(candidate, spec)}"
+
+
+def _config_name(candidate: Candidate, spec: SweepSpec) -> str:
+    """run <confirmation id> (trial run <id>: the searched axes' values)."""
+    run = build(RunConfig, candidate.trial.config)
+    values = " ".join(f"{k}={yaml_scalar(get_path(run, k))}" for k in axis_keys(spec))
+    confirmed = candidate.confirmed.run_id if candidate.confirmed is not None else "-"
+    return f"run {confirmed} (trial run {candidate.trial.run_id}: {values})"
 
 
 def _indent(text: str) -> str:

@@ -29,11 +29,17 @@ class MeasureConfig:
     wall time stays what its runs' steps make it."""
     max_repeats: int | None = None
     """With a target: the most repeats a run may take; None: three times `repeats`."""
+    rounds: int = 1
+    """Passes over a job's runs: each pass builds, warms up and times every run once (all
+    runs, then all again), and a run's record pools the step times of all its passes. A
+    slow drift of the machine then hits every configuration alike; each pass pays the run's
+    setup and warm-up again."""
 
     def __post_init__(self) -> None:
         at_least(self, "warmup_steps", 1)
         at_least(self, "timed_steps", 1)
         at_least(self, "repeats", 1)
+        at_least(self, "rounds", 1)
         target = self.target_ci_pct
         if target is not None and not target > 0:
             raise bad_value("target_ci_pct", target, "expected a number > 0 (percent) or null")

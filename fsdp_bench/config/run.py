@@ -358,10 +358,20 @@ class SearchConfig:
     seed: int | None = None
     multi_objective: bool = False
     """Optimise the metric and peak memory together; report the Pareto front."""
+    confirm_top_k: int = 3
+    """After the trials, measure the k best feasible configurations again, interleaved, and
+    name the winner with its interval (or a tie): one trial each is a single sample, and the
+    best of many noisy samples is biased towards luck. 0: no confirmation. Only with the
+    metric tokens_per_s and one objective (the interval is of tokens/s)."""
+    confirm_rounds: int = 3
+    """Passes of the confirmation job over its runs (`measure.rounds`): each candidate is
+    timed this many times, alternating with the others of its shape (world size, nodes)."""
 
     def __post_init__(self) -> None:
         at_least(self, "trials", 1)
         at_least(self, "parallel", 1)
+        at_least(self, "confirm_top_k", 0)
+        at_least(self, "confirm_rounds", 2)
 
 
 def _divisors(n: int) -> str:

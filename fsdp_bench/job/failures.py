@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.rendezvous import RankInfo, hostname
 from fsdp_bench.store import now_iso, write_atomic
 
@@ -100,3 +102,22 @@ def mark_started(inflight: Path, info: RankInfo) -> None:
 
 def _tail(lines: list[str], keep: int = 5) -> str:
     return "".join(lines[-keep:]).strip()[-2000:]
+
+
+def inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
+    """The grid's `fault` section: a real failure of the asked kind on one rank, to test
+    that each becomes the right record."""
+    if run.fault.kind == "none" or rank != run.fault.rank:
+        return
+    match run.fault.kind:
+        case "oom":  # a real allocation failure: 256 TiB
+            torch.empty(1 << 48, dtype=torch.uint8, device=device)
+        case "error":
+            raise RuntimeError(f"injected fault on rank {rank}")
+        case "hang":
+            while True:
+                time.sleep(3600)
+        case "exit":
+            os._exit(17)
+        case other:
+            raise ValueError(f"fault.kind {other!r}")

@@ -7,9 +7,12 @@ largest rank's; collectives and group sizes are rank 0's (all ranks issue the sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import os
 import platform
+import statistics
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,7 @@ from fsdp_bench import __version__
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.flops import peak_flops
+from fsdp_bench.job.load import LoadSample, record_fields
 from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.training import fp32_matmul_precision
 from fsdp_bench.stats import TimeSummary, summarize_times
@@ -54,6 +58,47 @@ class RankOutcome:
     device_index: int | None = None
     sdpa_backend: str | None = None
     parity: dict[str, Any] | None = None
+    steps_per_round: list[int] | None = None
+    """How many of step_times_s each pass (`measure.rounds`) timed, in order; None: one."""
+    load: list[LoadSample] = field(default_factory=list)
+    """The machine before the model was built and after the timed steps, every pass's."""
+
+
+def pool_passes(passes: list[RankOutcome]) -> RankOutcome:
+    """One rank's passes over a run (`measure.rounds`) as one outcome: every pass's step
+    times in order, the worst memory and allocator figures, the first pass's parity check;
+    what a pass costs to start (setup, warm-up) is one pass's, the slowest."""
+    last = passes[-1]
+    if len(passes) == 1:
+        return last
+
+    def worst(name: str) -> int | None:
+        values = [getattr(p, name) for p in passes if getattr(p, name) is not None]
+        return max(values) if values else None
+
+    def total(name: str) -> int | None:
+        values = [getattr(p, name) for p in passes if getattr(p, name) is not None]
+        return sum(values) if values else None
+
+    peak = max(passes, key=lambda p: p.tracked_peak_bytes)
+    return dataclasses.replace(
+        last,
+        step_times_s=[t for p in passes for t in p.step_times_s],
+        steps_per_round=[len(p.step_times_s) for p in passes],
+        tracked_peak_bytes=peak.tracked_peak_bytes,
+        breakdown_bytes=peak.breakdown_bytes,
+        host_peak_bytes=max(p.host_peak_bytes for p in passes),
+        setup_s=max(p.setup_s for p in passes),
+        warmup_s=max(p.warmup_s for p in passes),
+        cuda_peak_allocated_bytes=worst("cuda_peak_allocated_bytes"),
+        cuda_peak_reserved_bytes=worst("cuda_peak_reserved_bytes"),
+        allocated_at_start_bytes=worst("allocated_at_start_bytes"),
+        device_used_bytes=worst("device_used_bytes"),
+        num_alloc_retries=total("num_alloc_retries"),
+        num_ooms=total("num_ooms"),
+        parity=passes[0].parity,
+        load=[s for p in passes for s in p.load],
+    )
 
 
 @dataclass(frozen=True)
@@ -95,6 +140,7 @@ def build_result(
         **where.peaks._asdict(),
         **_collectives(first),
         **_parity(parity),
+        **record_fields([s for o in ranks for s in o.load]),
         setup_s=max(o.setup_s for o in ranks),
         warmup_s=max(o.warmup_s for o in ranks),
         wall_s=where.wall_s,
@@ -125,12 +171,22 @@ def _throughput(
         "step_time_max_s": times.max_s,
         "step_time_spread_pct": times.spread_pct,
         "step_times_s": slowest,
+        "round_step_time_s": _round_medians(slowest, ranks[0].steps_per_round),
         "timed_repeats": steps // run.measure.timed_steps,
         "mfu": mfu,
         **where.flops._asdict(),
         "peak_flops_source": peak.source if peak else None,
         "timed_s": sum(slowest),
     }
+
+
+def _round_medians(slowest: list[float], steps_per_round: list[int] | None) -> list[float] | None:
+    """Each pass's median step time (slowest rank), in pass order: a drift of the machine
+    shows as a trend; None for a run measured in one pass."""
+    if not steps_per_round:
+        return None
+    bounds = list(itertools.accumulate(steps_per_round, initial=0))
+    return [statistics.median(slowest[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def _intervals(run: RunConfig, times: TimeSummary) -> dict[str, Any]:

@@ -174,3 +174,11 @@ def barrier_and_destroy() -> None:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def cpus_for_rank(info: RankInfo) -> int:
+    """What Slurm gave this task, else this machine's cores shared by the ranks on it."""
+    allotted = os.environ.get("SLURM_CPUS_PER_TASK")
+    if allotted:
+        return int(allotted)
+    return max(1, (os.cpu_count() or 1) // info.local_world_size)

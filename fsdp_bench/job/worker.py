@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import shutil
 import signal
 import time
@@ -30,15 +29,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, one_line
-from fsdp_bench.job.failures import Terminated, classify, fail, mark_started, note_failure
+from fsdp_bench.job.failures import (
+    Terminated,
+    classify,
+    fail,
+    inject_fault,
+    mark_started,
+    note_failure,
+)
+from fsdp_bench.job.load import run_pids, sample
 from fsdp_bench.job.measure import profile_step
 from fsdp_bench.job.models import attention_backend, build_model, check_finite
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
-from fsdp_bench.job.record import RankOutcome, RunContext, gather_result
+from fsdp_bench.job.record import RankOutcome, RunContext, gather_result, pool_passes
 from fsdp_bench.job.rendezvous import (
     RankInfo,
     barrier_and_destroy,
+    cpus_for_rank,
     hostname,
     init_process_group,
     pick_device,
@@ -83,6 +91,8 @@ class JobContext:
     inflight: Path | None = None
     """The in-flight folder of the run being measured: where a hang's note goes."""
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
+    run_pids: frozenset[int] = frozenset()
+    """This job's ranks on this host: what `load.sample` does not count as competition."""
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
         """(world,) for FSDP; (replicas, shard group) for HSDP. Made once per job and shape."""
@@ -101,7 +111,11 @@ def _note_warning(signum: int, frame: object) -> None:
 
 
 def run_job(job: JobSpec) -> list[str]:
-    """Entry point of every rank (a picklable top-level callable). Returns run ids recorded."""
+    """Entry point of every rank (a picklable top-level callable). Returns run ids recorded.
+
+    The runs are measured in passes (`measure.rounds`): pass 1 measures every run once, pass
+    2 every run with two rounds or more again, and so on; a run is recorded after its last
+    pass, with the step times of all its passes pooled."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     # submitit ignores SIGTERM in jobs; here it means the allocation is going away, and the
     # run must not go on for the scheduler's kill delay, measuring nothing useful.
@@ -111,13 +125,20 @@ def run_job(job: JobSpec) -> list[str]:
     # the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so keep working.
     signal.signal(signal.SIGUSR2, _note_warning)
     context = _start(job, rank_info(), ResultStore(job.results_dir))
+    todo = [run for run in job.runs if not _already_recorded(run, context)]
+    passes: dict[str, list[MeasuredPass]] = {run.run_id: [] for run in todo}
     recorded = []
-    for run in job.runs:
-        if _already_recorded(run, context):
-            continue
-        if _run_one(run, job, context):
-            recorded.append(run.run_id)
-        _release(context.device)
+    for index in range(max((run.measure.rounds for run in todo), default=0)):
+        for run in todo:
+            if index >= run.measure.rounds:
+                continue
+            done = passes[run.run_id]
+            done.append(_measure_pass(run, context, index))
+            if len(done) < run.measure.rounds:
+                _between_passes(context)
+            elif _record(run, job, context, done):
+                recorded.append(run.run_id)
+            _release(context.device)
     barrier_and_destroy()
     return recorded
 
@@ -131,7 +152,7 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
     try:
         device = pick_device(job.device, info.local_rank)
         # On every device: with CPU offload the optimizer step runs on the host.
-        torch.set_num_threads(job.cpu_threads_per_rank or _cpus_for_rank(info))
+        torch.set_num_threads(job.cpu_threads_per_rank or cpus_for_rank(info))
         offloads = any(r.fsdp.cpu_offload for r in job.runs)
         # NCCL's own watchdog aborts the process without a word: it waits longer than this
         # rank's watchdog, which writes the note first. gloo raises in the main thread, and
@@ -144,6 +165,7 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
             job.collective_timeout_s + nccl_later_s,
             cpu_collectives=job.verify and offloads,
         )
+        pids = run_pids(info.world_size)
     except BaseException as err:
         pending = [r for r in job.runs if not store.has(r.run_id)]
         if not pending or classify(err) == "interrupted":
@@ -162,6 +184,7 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         store=store,
         verify=job.verify,
         collective_timeout_s=job.collective_timeout_s,
+        run_pids=pids,
     )
     context.watchdog = Watchdog(lambda phase, waited_s: _hung(context, phase, waited_s))
     return context
@@ -179,22 +202,53 @@ def _hung(context: JobContext, phase: str, waited_s: float) -> None:
         fail(context.inflight, context.info, err)
 
 
-def _run_one(run: RunConfig, job: JobSpec, context: JobContext) -> bool:
-    """Measure one run and record it (rank 0); a failure leaves a note and ends the process."""
+@dataclass
+class MeasuredPass:
+    """One pass over a run on this rank: its outcome and when it happened."""
+
+    outcome: RankOutcome
+    started_at: str
+    wall_s: float
+
+
+def _measure_pass(run: RunConfig, context: JobContext, index: int) -> MeasuredPass:
+    """Build, warm up and time `run` once; a failure leaves a note and ends the process.
+
+    The run's in-flight folder exists only while one of its passes is measured (and while it
+    is recorded): a job that fails later restarts the runs it had measured only in part."""
     info, store = context.info, context.store
     inflight = context.inflight = store.inflight(run.run_id)
     if info.rank == 0:
         mark_started(inflight, info)
-        print(f"fsdp-bench: run {run.run_id} started", flush=True)
+        passes = run.measure.rounds
+        said = f" (round {index + 1} of {passes})" if passes > 1 else ""
+        print(f"fsdp-bench: run {run.run_id} started{said}", flush=True)
     started_at = now_iso()
     start = time.perf_counter()
     try:
-        outcome = execute_run(run, context)
+        outcome = execute_run(run, context, verify=context.verify and index == 0)
+    except BaseException as err:
+        fail(inflight, info, err)
+    return MeasuredPass(outcome, started_at, time.perf_counter() - start)
+
+
+def _between_passes(context: JobContext) -> None:
+    if context.info.rank == 0 and context.inflight is not None:
+        shutil.rmtree(context.inflight, ignore_errors=True)
+    context.inflight = None
+
+
+def _record(run: RunConfig, job: JobSpec, context: JobContext, passes: list[MeasuredPass]) -> bool:
+    """Gather every rank's pooled passes on rank 0, which writes the record; a failure leaves
+    a note and ends the process."""
+    info, store = context.info, context.store
+    inflight = store.inflight(run.run_id)
+    try:
         where = RunContext(
             device=context.device,
             info=info,
-            started_at=started_at,
-            wall_s=time.perf_counter() - start,
+            started_at=passes[0].started_at,
+            wall_s=sum(p.wall_s for p in passes),
             peaks=job.estimates.get(run.run_id, EstimatedPeaks()),
             flops=job.flops.get(run.run_id, Flops()),
         )
@@ -202,34 +256,30 @@ def _run_one(run: RunConfig, job: JobSpec, context: JobContext) -> bool:
         # ranks waiting in the next collective.
         if context.watchdog is not None:
             context.watchdog.arm("gathering the results", context.collective_timeout_s + GRACE_S)
-        result = gather_result(run, outcome, where)
+        result = gather_result(run, pool_passes([p.outcome for p in passes]), where)
         if context.watchdog is not None:
             context.watchdog.disarm()
         if result is not None:
             store.record(result)
     except BaseException as err:
         fail(inflight, info, err)
+    context.inflight = None
     if result is None:
         return False
     shutil.rmtree(inflight, ignore_errors=True)
     return True
 
 
-def _cpus_for_rank(info: RankInfo) -> int:
-    """What Slurm gave this task, else this machine's cores shared by the ranks on it."""
-    allotted = os.environ.get("SLURM_CPUS_PER_TASK")
-    if allotted:
-        return int(allotted)
-    return max(1, (os.cpu_count() or 1) // info.local_world_size)
-
-
-def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
-    """Build, shard, warm up, profile one step (collectives, memory), time. Every rank."""
+def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> RankOutcome:
+    """Build, shard, warm up, profile one step (collectives, memory), time. Every rank.
+    `verify`: check parity first (once per run, not once per pass)."""
     device, rank = context.device, context.info.rank
     mesh = context.mesh(run.mesh_shape)
-    parity = _verify(run, mesh, context) if context.verify else None
+    parity = _verify(run, mesh, context) if verify else None
 
     on_cuda = device.type == "cuda"
+    gpu, pids = device.index if on_cuda else None, context.run_pids
+    load_start = sample("start", context.info.local_rank, pids, gpu)  # the ranks sleep in it
     allocated_at_start = torch.cuda.memory_allocated(device) if on_cuda else None
     set_fp32_matmul(run, device)
     start = time.perf_counter()
@@ -242,7 +292,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
     step = make_train_step(model, optimizer, batches, run)
     setup_s = time.perf_counter() - start
 
-    _inject_fault(run, rank, device)
+    inject_fault(run, rank, device)
     measured = measure_steps(
         step,
         lambda: profile_step(model, optimizer, batches, run),
@@ -251,6 +301,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         context.watchdog,
         context.collective_timeout_s,
     )
+    load_end = sample("end", context.info.local_rank, pids, gpu)
     memory = measured.profile.memory
     return RankOutcome(
         hostname=hostname(),
@@ -273,6 +324,7 @@ def execute_run(run: RunConfig, context: JobContext) -> RankOutcome:
         device_index=device.index,
         sdpa_backend=_sdpa_backend(run, device),
         parity=parity,
+        load=[load_start, load_end],
     )
 
 
@@ -330,23 +382,6 @@ def _already_recorded(run: RunConfig, context: JobContext) -> bool:
     decision = [context.store.has(run.run_id) if context.info.rank == 0 else None]
     dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
-
-
-def _inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
-    if run.fault.kind == "none" or rank != run.fault.rank:
-        return
-    match run.fault.kind:
-        case "oom":  # a real allocation failure: 256 TiB
-            torch.empty(1 << 48, dtype=torch.uint8, device=device)
-        case "error":
-            raise RuntimeError(f"injected fault on rank {rank}")
-        case "hang":
-            while True:
-                time.sleep(3600)
-        case "exit":
-            os._exit(17)
-        case other:
-            raise ValueError(f"fault.kind {other!r}")
 
 
 def _release(device: torch.device) -> None:

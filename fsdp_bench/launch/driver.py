@@ -106,6 +106,29 @@ class Driver:
                     self.ledger.close(item.job.job_id)
             raise
 
+    def wait_for(
+        self, launcher: Launcher, watched: list[Watched], say: Callable[[str], None] = print
+    ) -> None:
+        """Wait until the jobs an earlier driver left running end (a driver killed with kill -9
+        leaves its local job timing), stopping a run that overruns as `run` would. Called
+        before this driver checks models, estimates or submits anything: on one machine any of
+        those beside a timed run slows it. `run` collects and records the jobs afterwards."""
+        states = launcher.poll([w.job for w in watched])
+        alive = [w for w in watched if states.get(w.job.job_id) in ALIVE_STATES]
+        if alive:
+            ids = ", ".join(w.job.job_id for w in alive)
+            say(
+                f"fsdp-bench: waiting for job {ids}, which an earlier driver started and which "
+                "is still timing runs on this machine"
+            )
+        while alive:
+            time.sleep(self.spec.launcher.poll_s)
+            states = launcher.poll([w.job for w in alive])
+            for item in alive:
+                if states.get(item.job.job_id) == "RUNNING":
+                    self._watchdog(item)
+            alive = [w for w in alive if states.get(w.job.job_id) in ALIVE_STATES]
+
     def _follow(
         self,
         launcher: Launcher,

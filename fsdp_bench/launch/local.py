@@ -97,6 +97,20 @@ class LocalLauncher:
     def poll(self, jobs: list[LocalJob]) -> dict[str, str]:
         return {job.job_id: "RUNNING" if job.alive() else "ENDED" for job in jobs}
 
+    def other_jobs(self) -> list[int]:
+        """Local jobs of other results folders running on this machine (their controllers'
+        pids): not waited for (another user's sweep may run for hours), but said, since runs
+        timed beside them are slower and recorded `contended`."""
+        found = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"submitit.local._local" in cmdline and str(self.folder).encode() not in cmdline:
+                found.append(int(entry.name))
+        return sorted(found)
+
     def _uses_cuda(self) -> bool:
         if self.config.device == "cuda":
             return True

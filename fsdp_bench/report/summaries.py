@@ -98,7 +98,7 @@ def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFr
                 "tokens_per_s": float(best["tokens_per_s"]),
                 "peak_memory_gib": float(best["peak_memory_gib"]),
                 "tied": ", ".join(ties.tied_with(here, str(best["run_id"]))),
-                "note": "",
+                "note": _contended_note(best),
             }
         )
     table = pd.DataFrame(rows, columns=columns)
@@ -110,6 +110,12 @@ def best_per_world_size(df: pd.DataFrame, budget_gib: float | None) -> pd.DataFr
         table[column] = pd.Series(values, index=table.index, dtype=object)
     metrics = ["tokens_per_s", "peak_memory_gib", "tied", "note"]
     return table[["world_size", "run_id", *shown, *metrics]]
+
+
+def _contended_note(run: pd.Series) -> str:
+    """The best run's caveat when something else competed while it was timed."""
+    flag = run.get("contended")
+    return "contended: measured while something else ran" if flag is True or flag == 1 else ""
 
 
 def axis_effects(df: pd.DataFrame) -> pd.DataFrame:

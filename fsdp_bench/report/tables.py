@@ -34,6 +34,7 @@ HEADERS = {
     "tokens_per_s": "tokens/s",
     "tokens_per_s_ci": "tokens/s 95% CI",
     ties.MARKS_COLUMN: "tie",
+    "contended": "contended",
     "tied": "tied with the best",
     "tokens_per_s_per_rank": "tokens/s per rank",
     "step_time_s": "step s",
@@ -80,6 +81,10 @@ def _interval(value: Any) -> str:
     return f"{value[0]:,.0f}-{value[1]:,.0f}"
 
 
+def _yes_no(value: Any) -> str:
+    return "-" if _missing(value) else ("yes" if value else "no")
+
+
 def _ratio_interval(value: Any) -> str:
     """A (low, high) pair of ratios as "0.95-1.10×"."""
     return f"{value[0]:.2f}-{value[1]:.2f}×" if isinstance(value, tuple) else "-"
@@ -88,6 +93,7 @@ def _ratio_interval(value: Any) -> str:
 FORMATS: dict[str, Callable[[Any], str]] = {
     "tokens_per_s": _num("{:,.0f}"),
     "tokens_per_s_ci": _interval,
+    "contended": _yes_no,
     "tokens_per_s_ratio_ci": _ratio_interval,
     "tokens_per_s_per_rank": _num("{:,.0f}"),
     "peak_memory_gib": _num("{:.3f}"),
@@ -144,8 +150,9 @@ def varying_axes(df: pd.DataFrame) -> list[str]:
 
 def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
     """Runs ranked by tokens/s (failures last), with the columns that tell them apart: after
-    tokens/s its 95% interval (when any run has one) and the `tie` mark ("best", "tied":
-    cannot be told apart from the best by `fsdp_bench.stats.indistinguishable`, or "")."""
+    tokens/s its 95% interval (when any run has one), the `tie` mark ("best", "tied":
+    cannot be told apart from the best by `fsdp_bench.stats.indistinguishable`, or "") and,
+    when any run was measured while something else competed, `contended` (yes, no)."""
     if run_ids is not None:
         df = df[df["run_id"].isin(list(run_ids))]
     if df.empty:
@@ -167,6 +174,8 @@ def ranking(df: pd.DataFrame, run_ids: Iterable[str] | None = None) -> pd.DataFr
             if any(p is not None for p in pairs):
                 ordered = ordered.assign(tokens_per_s_ci=pd.Series(pairs, index=ordered.index))
                 added.insert(0, "tokens_per_s_ci")
+        if "contended" in df and df["contended"].eq(True).any():
+            added.append("contended")
         at = metrics.index("tokens_per_s") + 1
         metrics[at:at] = added
     return ordered[["run_id", *varying_axes(df), *metrics]].reset_index(drop=True)

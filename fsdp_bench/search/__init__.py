@@ -4,6 +4,7 @@ memory budget is found (the searcher, its samplers, and the trials read back).""
 
 from __future__ import annotations
 
+from fsdp_bench.search.confirm import Candidate, Confirmation
 from fsdp_bench.search.searcher import SearchOptions, SearchOutcome, open_study, run_search
 from fsdp_bench.search.trials import (
     best_feasible,
@@ -13,6 +14,8 @@ from fsdp_bench.search.trials import (
 )
 
 __all__ = [
+    "Candidate",
+    "Confirmation",
     "SearchOptions",
     "SearchOutcome",
     "best_feasible",

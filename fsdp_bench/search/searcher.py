@@ -13,6 +13,9 @@ not to go instead of being a failure it keeps proposing. Errors and timeouts are
 
 `search.trials` counts distinct points: a point the sampler proposes again is told its record
 for free, and after a few such repeats in a row the next trial is an unvisited point.
+
+After the last trial, the best few feasible configurations are measured again, interleaved
+(`search.confirm`), and the winner is named from those measurements, or a tie.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.memory.model_check import check_models
+from fsdp_bench.search.confirm import Confirmation, confirm, skip_reason
 from fsdp_bench.search.samplers import make_sampler
 from fsdp_bench.search.trials import (
     INFEASIBLE_STATUSES,
@@ -45,7 +49,7 @@ from fsdp_bench.search.trials import (
 )
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 from fsdp_bench.study_storage import JOURNAL, storage_for
-from fsdp_bench.sweep import results_dir_for, save_grid
+from fsdp_bench.sweep import results_dir_for, save_grid, wait_for_earlier_jobs
 
 REPEATS_BEFORE_EXPLORING = 3
 """Known points proposed in a row before the next trial is an unvisited point instead."""
@@ -74,6 +78,10 @@ class SearchOutcome:
     excluded: how each trial was answered."""
     storage: str = ""
     """Where the study lives: the journal file, or the --storage URL."""
+    confirmation: Confirmation | None = None
+    """The top configurations measured again (`search.confirm`); None: no round."""
+    confirm_skipped: str = ""
+    """Why there was no confirmation round ("" when there was one)."""
 
 
 def run_search(
@@ -88,13 +96,14 @@ def run_search(
         spec, launcher=dataclasses.replace(spec.launcher, max_jobs_in_flight=settings.parallel)
     )
     store = ResultStore(results_dir_for(spec, options.results_dir))
+    launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
+    wait_for_earlier_jobs(spec, store, launcher)  # a job a killed driver left still timing
     check_models(model_runs(spec))  # a broken model stops here: nothing launched, nothing written
     save_grid(spec, store)
     study = open_study(spec, store, options.storage)
     # what `report` applies, command-line overrides included (grid.yaml has the file's)
     study.set_user_attr("budget_gib", spec.memory.budget_gib)
     study.set_user_attr("metric", settings.metric)
-    launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
     ledger = Ledger(store.jobs_dir / "ledger.json")
     searcher = Searcher(spec, study, store, options)
     driver = Driver(store, ledger, spec, options.verify, on_record=searcher.on_record)
@@ -107,7 +116,11 @@ def run_search(
     finally:
         searcher.close()
     where = options.storage or str(store.root / JOURNAL)
-    return SearchOutcome(study, store.root, searcher.counts, where)
+    outcome = SearchOutcome(study, store.root, searcher.counts, where)
+    outcome.confirm_skipped = skip_reason(settings)
+    if not outcome.confirm_skipped:
+        outcome.confirmation = confirm(spec, study, store, launcher, ledger, options.progress)
+    return outcome
 
 
 def open_study(spec: SweepSpec, store: ResultStore, storage_url: str | None) -> optuna.Study:
