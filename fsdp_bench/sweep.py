@@ -18,7 +18,7 @@ from typing import Any
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
-from fsdp_bench.launch.driver import Driver, Ledger, Watched, pack_runs
+from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore, RunResult, write_atomic
@@ -177,12 +177,11 @@ def sweep_status(spec: SweepSpec, results_dir: Path | None) -> list[RunState]:
             )
             continue
         job_id = job_of.get(run.run_id)
-        started = store.inflight(run.run_id) / "started.json"
+        running_s = age_s(store.inflight(run.run_id) / "started.json")
         if job_id is None:
             out.append(RunState(run.run_id, "not submitted"))
-        elif states.get(job_id) in ALIVE_STATES and started.exists():
-            age = time.time() - started.stat().st_mtime
-            out.append(RunState(run.run_id, "running", job_id, f"for {age:.0f} s"))
+        elif states.get(job_id) in ALIVE_STATES and running_s is not None:
+            out.append(RunState(run.run_id, "running", job_id, f"for {running_s:.0f} s"))
         elif states.get(job_id) in ALIVE_STATES:
             out.append(RunState(run.run_id, "queued", job_id, f"job {states[job_id]}"))
         else:

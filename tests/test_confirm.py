@@ -9,13 +9,12 @@ from typing import Any
 import optuna
 import pytest
 
-from fsdp_bench.cli.views import describe_search
 from fsdp_bench.config.grid import load_grid, parse_grid
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import FsdpConfig, RunConfig, SearchConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.search import SearchOptions, open_study, run_search
+from fsdp_bench.search import open_study
 from fsdp_bench.search.confirm import confirmation_run, decide, skip_reason, top_feasible
 from fsdp_bench.store import ResultStore, RunResult
 from tests.conftest import write_grid
@@ -142,30 +141,3 @@ def test_when_there_is_a_round_and_its_settings_are_checked() -> None:
     assert str(info.value) == (
         "g.yaml: search.confirm_rounds: 1 is not allowed; expected an integer >= 2"
     )
-
-
-@pytest.mark.slow
-def test_a_search_confirms_its_best_two_interleaved(tmp_path: Path) -> None:
-    grid = {**GRID, "search": {"trials": 3, "seed": 1, "confirm_top_k": 2, "confirm_rounds": 2}}
-    grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 1}}
-    spec = load_grid(write_grid(tmp_path, grid))
-    options = SearchOptions(results_dir=tmp_path / "r", progress=False)
-    outcome = run_search(spec, options)
-    confirmation = outcome.confirmation
-    assert confirmation is not None and len(confirmation.candidates) == 2
-    store = ResultStore(outcome.results_dir)
-    trial_ids = {c.trial.run_id for c in confirmation.candidates}
-    records = [c.confirmed for c in confirmation.candidates]
-    assert all(r is not None and r.status == "ok" for r in records), confirmation.failed
-    ids = {r.run_id for r in records if r is not None}
-    assert len(ids) == 2 and not ids & trial_ids and all(store.has(i) for i in ids)
-    for r in records:
-        assert r is not None and r.step_times_s is not None
-        assert len(r.step_times_s) == 2 * 1 * 3, "two rounds of one repeat of three steps"
-        assert r.config["measure"]["rounds"] == 2
-    text = describe_search(outcome, spec)
-    assert "confirmed best: " in text and "95% CI" in text
-    assert confirmation.winner is not None
-    again = run_search(spec, options)  # a rerun reuses the round's records
-    assert again.counts["launched"] == 0 and again.confirmation is not None
-    assert {c.confirmed.run_id for c in again.confirmation.candidates if c.confirmed} == ids

@@ -20,10 +20,11 @@ import yaml
 
 from fsdp_bench import load_results
 from fsdp_bench.cli.main import main
+from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import configs, figure_data, summaries, tables
-from fsdp_bench.report.build import build_report, markdown_summary
+from fsdp_bench.report.build import build_report, load, markdown_summary
 from fsdp_bench.report.compare import compare_results
 from fsdp_bench.report.figures import FIGURES
 from fsdp_bench.report.html import Document, Section
@@ -574,3 +575,19 @@ def test_html_report_in_headless_chromium(
         tokens = [float(t.replace(",", "")) for t in probe[order]]
         assert len(tokens) == 33
         assert tokens == sorted(tokens, reverse=order == "descending"), f"not {order}"
+
+
+def test_a_configuration_measured_again_is_one_row_the_most_measured(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "again")
+    trial = RunConfig(world_size=2)
+    again = RunConfig(world_size=2, measure=MeasureConfig(rounds=3))
+    other = RunConfig(world_size=2, fsdp=FsdpConfig(grouping="root"))
+    for run, steps in ((trial, 15), (again, 45), (other, 15)):
+        store.record(RunResult(run_id=run.run_id, status="ok", config=to_plain(run),
+                               tokens_per_s=100.0 + steps, step_times_s=[0.1] * steps))  # fmt: skip
+    df = load(store.root)
+    assert sorted(df["run_id"]) == sorted([again.run_id, other.run_id])
+    assert df.attrs["measured_again"] == 1
+    failed = RunConfig(world_size=2, measure=MeasureConfig(rounds=2))
+    store.record(RunResult(run_id=failed.run_id, status="error", config=to_plain(failed)))
+    assert again.run_id in set(load(store.root)["run_id"])  # an ok record before a failed one

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bench.cli.codegen import fully_shard_code
+from fsdp_bench.cli.views import describe_search
 from fsdp_bench.config.grid import load_grid, run_for_point, search_space
 from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.config.schema import to_plain
@@ -50,7 +51,7 @@ GRID = {
     },
     # tracked peaks per rank: 16-26 MiB; 21 MiB keeps fp32 root and reshard false out
     "memory": {"budget_gib": 0.0205},
-    "search": {"trials": 10, "seed": 1, "confirm_top_k": 0},  # confirmation: test_confirm.py
+    "search": {"trials": 10, "seed": 1, "confirm_top_k": 0},  # on where a test confirms
     "launcher": {"collective_timeout_s": 30},
 }
 
@@ -63,8 +64,12 @@ def search(folder: Path, grid: dict[str, Any], **options: Any) -> Any:
 
 
 @pytest.mark.slow
-def test_search_finds_a_feasible_best_and_never_launches_a_predicted_oom(tmp_path: Path) -> None:
-    spec, outcome = search(tmp_path, GRID)
+def test_search_finds_a_feasible_best_never_launches_a_predicted_oom_and_confirms(
+    tmp_path: Path,
+) -> None:
+    grid = {**GRID, "search": {**GRID["search"], "confirm_top_k": 2, "confirm_rounds": 2}}
+    grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 1}}
+    spec, outcome = search(tmp_path, grid)
     store = ResultStore(outcome.results_dir)
     records = {r.run_id: r for r in store.results()}
     skipped = {i for i, r in records.items() if r.status == "skipped"}
@@ -83,6 +88,30 @@ def test_search_finds_a_feasible_best_and_never_launches_a_predicted_oom(tmp_pat
     infeasible = [t for t in outcome.study.trials if t.constraints.get("memory", 0) > 0]
     assert {t.user_attrs["run_id"] for t in infeasible} <= skipped
     assert (outcome.results_dir / "study.journal").exists()
+    check_confirmation(outcome, spec, tmp_path)
+
+
+def check_confirmation(outcome: Any, spec: Any, folder: Path) -> None:
+    """The best two measured again in two interleaved rounds, under their own run ids, and
+    reused by a rerun."""
+    confirmation = outcome.confirmation
+    assert confirmation is not None and len(confirmation.candidates) == 2
+    store = ResultStore(outcome.results_dir)
+    trial_ids = {c.trial.run_id for c in confirmation.candidates}
+    records = [c.confirmed for c in confirmation.candidates]
+    assert all(r is not None and r.status == "ok" for r in records), confirmation.failed
+    ids = {r.run_id for r in records if r is not None}
+    assert len(ids) == 2 and not ids & trial_ids and all(store.has(i) for i in ids)
+    for r in records:
+        assert r is not None and r.step_times_s is not None
+        assert len(r.step_times_s) == 2 * 1 * 3, "two rounds of one repeat of three steps"
+        assert r.config["measure"]["rounds"] == 2
+    text = describe_search(outcome, spec)
+    assert "confirmed best: " in text and "95% CI" in text
+    assert confirmation.winner is not None
+    again = run_search(spec, SearchOptions(results_dir=folder / "r", progress=False))
+    assert again.counts["launched"] == 0 and again.confirmation is not None
+    assert {c.confirmed.run_id for c in again.confirmation.candidates if c.confirmed} == ids
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ carry nothing but the training step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,3 +189,23 @@ def _category(name: str) -> str:
     return {"optstate": "optimizer_state", "act": "activation", "inp": "inputs"}.get(
         lowered, lowered
     )
+
+
+def profile_once(
+    profiles: dict[str, StepProfile],
+    run_id: str,
+    profile: Callable[[], StepProfile],
+    step: Callable[[], None],
+) -> Callable[[], StepProfile]:
+    """The profiled step of a run's first pass (`measure.rounds`), kept in `profiles`; in its
+    later passes a plain step in its place (the same number of steps), answered with the
+    first pass's profile: it is the same, and costs more than the step."""
+
+    def once() -> StepProfile:
+        if run_id not in profiles:
+            profiles[run_id] = profile()
+        else:
+            step()
+        return profiles[run_id]
+
+    return once

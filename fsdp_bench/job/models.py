@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -267,6 +268,20 @@ def check_finite(module: nn.Module) -> list[str]:
         for name, tensor in named
         if tensor.is_floating_point() and not bool(torch.isfinite(_local(tensor)).all())
     ]
+
+
+def check_initialised(config: ModelConfig, model: nn.Module, world_size: int) -> None:
+    """Fail the run (every rank alike) when initialisation left NaN or Inf anywhere: the
+    timed steps would compute on garbage."""
+    found: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(found, check_finite(model))
+    bad = sorted({name for names in found for name in names or ()})
+    if bad:
+        raise ConfigError(
+            f"model.name: {config.name}: after initialisation {', '.join(bad[:3])}"
+            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} hold NaN or Inf; "
+            "the model's init does not cover them (give ModelBundle an init)"
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.errors import ConfigError, one_line
+from fsdp_bench.errors import one_line
 from fsdp_bench.job.failures import (
     Terminated,
     classify,
@@ -38,8 +38,8 @@ from fsdp_bench.job.failures import (
     note_failure,
 )
 from fsdp_bench.job.load import run_pids, sample
-from fsdp_bench.job.measure import profile_step
-from fsdp_bench.job.models import attention_backend, build_model, check_finite
+from fsdp_bench.job.measure import StepProfile, profile_once, profile_step
+from fsdp_bench.job.models import attention_backend, build_model, check_initialised
 from fsdp_bench.job.parallelize import parallelize
 from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result, pool_passes
@@ -91,6 +91,9 @@ class JobContext:
     inflight: Path | None = None
     """The in-flight folder of the run being measured: where a hang's note goes."""
     meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
+    profiles: dict[str, StepProfile] = field(default_factory=dict)
+    """run_id -> its first pass's profiled step: later passes (`measure.rounds`) take a plain
+    step in its place, as the profile is the same and costs more than the step."""
     run_pids: frozenset[int] = frozenset()
     """This job's ranks on this host: what `load.sample` does not count as competition."""
 
@@ -264,6 +267,7 @@ def _record(run: RunConfig, job: JobSpec, context: JobContext, passes: list[Meas
     except BaseException as err:
         fail(inflight, info, err)
     context.inflight = None
+    context.profiles.pop(run.run_id, None)
     if result is None:
         return False
     shutil.rmtree(inflight, ignore_errors=True)
@@ -286,7 +290,7 @@ def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> Ra
     torch.manual_seed(run.data.seed)
     bundle = build_model(run.model)
     model, plan = parallelize(bundle, run, mesh, device)
-    _check_initialised(run, model, context.info.world_size)
+    check_initialised(run.model, model, context.info.world_size)
     optimizer = build_optimizer(model, run)
     batches = rank_batches(run, rank, bundle.vocab_size, device)
     step = make_train_step(model, optimizer, batches, run)
@@ -295,7 +299,9 @@ def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> Ra
     inject_fault(run, rank, device)
     measured = measure_steps(
         step,
-        lambda: profile_step(model, optimizer, batches, run),
+        profile_once(
+            context.profiles, run.run_id, lambda: profile_step(model, optimizer, batches, run), step
+        ),
         run,
         device,
         context.watchdog,
@@ -353,20 +359,6 @@ def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, 
     if report.dropout_off:
         scope += "; dropout off"
     return asdict(dataclasses.replace(report, scope=scope))
-
-
-def _check_initialised(run: RunConfig, model: torch.nn.Module, world_size: int) -> None:
-    """Fail the run (every rank alike) when initialisation left NaN or Inf anywhere: the
-    timed steps would compute on garbage."""
-    found: list[list[str] | None] = [None] * world_size
-    dist.all_gather_object(found, check_finite(model))
-    bad = sorted({name for names in found for name in names or ()})
-    if bad:
-        raise ConfigError(
-            f"model.name: {run.model.name}: after initialisation {', '.join(bad[:3])}"
-            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} hold NaN or Inf; "
-            "the model's init does not cover them (give ModelBundle an init)"
-        )
 
 
 def _sdpa_backend(run: RunConfig, device: torch.device) -> str | None:

@@ -225,18 +225,18 @@ class Driver:
         """Cancel a job whose run overran its time, or whose ranks failed but did not all end."""
         if item.cancel_reason:
             return
-        now = time.time()
         for run in item.runs:
             inflight = self.store.inflight(run.run_id)
-            started = inflight / "started.json"
-            if not started.exists() or self.store.has(run.run_id):
+            running_s = age_s(inflight / "started.json")
+            if running_s is None or self.store.has(run.run_id):
                 continue
             limit = self.spec.launcher.run_timeout_s
-            if now - started.stat().st_mtime > limit:
+            if running_s > limit:
                 item.cancel_reason = f"run exceeded launcher.run_timeout_s ({limit:g} s)"
             failed = [n for n in read_notes(inflight) if n["class"] in ("oom", "error", "timeout")]
-            notes = [inflight / f"rank{n['rank']}.json" for n in failed]
-            if notes and now - max(n.stat().st_mtime for n in notes) > FAILURE_GRACE_S:
+            ages = [age_s(inflight / f"rank{n['rank']}.json") for n in failed]
+            known = [age for age in ages if age is not None]
+            if known and min(known) > FAILURE_GRACE_S:
                 item.cancel_reason = "ranks that did not fail were stuck after a rank failed"
             if item.cancel_reason:
                 item.job.cancel()
@@ -300,6 +300,15 @@ class Driver:
         )
         self.store.record(result)
         self.announce(result)
+
+
+def age_s(path: Path) -> float | None:
+    """Seconds since `path` was written; None when it is not there (a worker removes a run's
+    in-flight folder when the run is recorded, and between its passes)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def pack_runs(runs: list[RunConfig], launcher: LauncherConfig) -> list[list[RunConfig]]:

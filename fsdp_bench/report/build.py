@@ -26,7 +26,13 @@ from fsdp_bench.report import search_figures as study_figures
 from fsdp_bench.report import study as study_data
 from fsdp_bench.report import tables as report_tables
 from fsdp_bench.report.canvas import Canvas, Figure
-from fsdp_bench.report.configs import SCALE_COLUMNS, config_columns, describe_config, varying
+from fsdp_bench.report.configs import (
+    SCALE_COLUMNS,
+    config_columns,
+    describe_config,
+    one_per_configuration,
+    varying,
+)
 from fsdp_bench.store import load_results, write_atomic
 
 if TYPE_CHECKING:
@@ -92,7 +98,9 @@ def load(results_dir: Path) -> pd.DataFrame:
             f"{results_dir}: no runs recorded yet (runs/ is empty); "
             "run `fsdp-bench sweep` or `fsdp-bench search` first, or wait for the first run"
         )
-    return df
+    kept = one_per_configuration(df)
+    kept.attrs["measured_again"] = len(df) - len(kept)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -299,6 +307,7 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
         "grid file": str(grid.path.resolve()) if grid.path else "- (no grid.yaml)",
         "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
         **summaries.provenance(inputs.df),
+        **_measured_again(inputs.df),
         "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if inputs.other is not None and inputs.compare is not None:
@@ -306,6 +315,17 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
         other = summaries.provenance(inputs.other)
         table.update({f"{k} ({inputs.names[1]})": v for k, v in other.items()})
     return table
+
+
+def _measured_again(df: pd.DataFrame) -> dict[str, str]:
+    count = int(df.attrs.get("measured_again", 0))
+    if not count:
+        return {}
+    what = "configuration was" if count == 1 else "configurations were"
+    return {
+        "measured again": f"{count} {what} measured again (a search's confirmation round, "
+        "other measurement settings): the record with the most timed steps stands for each"
+    }
 
 
 def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:

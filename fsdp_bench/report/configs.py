@@ -12,7 +12,13 @@ from typing import Any
 import pandas as pd
 
 from fsdp_bench.errors import yaml_scalar
-from fsdp_bench.store import CONFIG_COLUMNS, FAULT_COLUMNS, FSDP_ONLY_COLUMNS, MODEL_COLUMNS
+from fsdp_bench.store import (
+    COLUMN_OF_PATH,
+    CONFIG_COLUMNS,
+    FAULT_COLUMNS,
+    FSDP_ONLY_COLUMNS,
+    MODEL_COLUMNS,
+)
 
 SCALE_COLUMNS = ["world_size", "processes_per_node", "nodes"]
 """How many GPUs and where: the axis of scaling, not of a configuration's identity."""
@@ -141,3 +147,18 @@ def ok_runs(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     return df[df["status"].eq("ok") & df["tokens_per_s"].notna()]
+
+
+def one_per_configuration(df: pd.DataFrame) -> pd.DataFrame:
+    """One record per configuration and seed: where one was measured again under other
+    measurement settings (a search's confirmation round, a grid given more repeats), the
+    record with the most timed steps stands for it, an ok one first. Without this the
+    ranking would list one configuration twice, tied with itself."""
+    columns = [c for p, c in COLUMN_OF_PATH.items() if not p.startswith("measure.")]
+    present = [c for c in columns if c in df.columns]
+    if df.empty or not present:
+        return df
+    steps = df["step_times_s"].map(lambda t: len(t) if isinstance(t, list) else 0)
+    ranked = df.assign(_ok=df["status"].eq("ok"), _steps=steps, _key=config_keys(df, present))
+    ranked = ranked.sort_values(["_ok", "_steps"], ascending=False, kind="stable")
+    return df[df.index.isin(ranked.drop_duplicates("_key").index)]
