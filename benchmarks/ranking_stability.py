@@ -8,7 +8,12 @@ machine hits each alike. Per pair:
 - same best: whether the two sweeps name the same best run at every world size (the reading
   of a tool that reports medians as exact);
 - best in tie set: whether, at every world size, each sweep's best is the other's best or tied
-  with it (`fsdp_bench.stats.indistinguishable`, the rule behind every "tied with the best").
+  with it (`fsdp_bench.stats.indistinguishable`, the rule behind every "tied with the best");
+- contended: runs of the two sweeps recorded `contended` (something else ran beside them);
+- between: the median over runs of |log(tokens/s in A / in B)|, in percent: how much one run's
+  figure moves from one sweep to the next; inside CI: how often B's median lies in A's 95%
+  interval (the interval is about the noise between one run's steps, so this shows how much of
+  the between-sweep noise it covers).
 
 Schemes: `as-given` measures as the grid says (quickstart: 3 repeats of 5 steps in one pass);
 `rounds` times the same number of steps in `measure.rounds` passes of one repeat each,
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -85,10 +92,11 @@ def sweep_once(grid: Path, results: Path, estimates: Path | None) -> tuple[pd.Da
 
 
 def best_ids(df: pd.DataFrame) -> dict[int, str]:
-    ok = df[df["status"] == "ok"]
+    """The fastest ok run at each world size."""
+    ok = df[df["status"] == "ok"].sort_values("tokens_per_s", ascending=False)
     return {
-        int(size): str(here.sort_values("tokens_per_s", ascending=False)["run_id"].iloc[0])
-        for size, here in ok.groupby("world_size")
+        int(size): str(ok[ok["world_size"] == size]["run_id"].iloc[0])
+        for size in ok["world_size"].unique()
     }
 
 
@@ -107,12 +115,20 @@ def compare(a: pd.DataFrame, b: pd.DataFrame) -> dict[str, Any]:
     )
     tie_sizes = [len(tied_with(df, best)) + 1 for df, bests in ((a, best_a), (b, best_b))
                  for best in bests.values()]  # fmt: skip
+    contended = sum(int(df["contended"].eq(True).sum()) for df in (a, b) if "contended" in df)
+    ratios = [float(ok_a[i]) / float(ok_b[i]) for i in both]
+    low = a.set_index("run_id").loc[both, "tokens_per_s_ci_low"]
+    high = a.set_index("run_id").loc[both, "tokens_per_s_ci_high"]
+    inside = [bool(low[i] <= ok_b[i] <= high[i]) for i in both]
     return {
         "runs": len(both),
+        "contended": contended,
         "tau": tau,
         "same_best": same,
         "in_tie_set": in_ties,
         "tie_set_size": sum(tie_sizes) / len(tie_sizes),
+        "between_pct": 100 * statistics.median(abs(math.log(r)) for r in ratios),
+        "inside_ci_pct": 100 * sum(inside) / len(inside),
     }
 
 
@@ -146,13 +162,18 @@ def main() -> int:
                                for k, v in row.items()), flush=True)  # fmt: skip
     table = pd.DataFrame(rows)
     print(f"\ngrid {args.grid}, {args.minutes:g} minutes")
-    print("scheme    pairs  best in tie set  same best  tau median [min, max]  tie set  sweep s")
+    print(
+        "scheme    pairs  best in tie set  same best  tau median [min, max]  tie set  sweep s"
+        "  contended  between %  inside CI %"
+    )
     for scheme, got in table.groupby("scheme", sort=False):
         print(
-            f"{scheme:9s} {len(got):5d} {int(got.in_tie_set.sum()):>9d} of {len(got):<3d}"
+            f"{scheme!s:9s} {len(got):5d} {int(got.in_tie_set.sum()):>9d} of {len(got):<3d}"
             f" {int(got.same_best.sum()):>5d} of {len(got):<3d}"
             f" {got.tau.median():9.2f} [{got.tau.min():.2f}, {got.tau.max():.2f}]"
             f" {got.tie_set_size.mean():8.1f} {got.sweep_s.mean():8.0f}"
+            f" {int(got.contended.sum()):10d} {got.between_pct.median():10.1f}"
+            f" {got.inside_ci_pct.median():11.0f}"
         )
     return 0
 

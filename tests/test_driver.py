@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.launch.driver import Ledger, pack_runs
+from fsdp_bench.launch.local import interruptible_children
 from fsdp_bench.launch.verdicts import Verdict, classify_failure, explain_from_logs
 
 
@@ -94,3 +98,20 @@ def test_ledger_survives_a_restart(tmp_path: Path) -> None:
     again = Ledger(path)
     assert [e["job_id"] for e in again.open_jobs("slurm")] == ["12_1"]
     assert again.open_jobs("local") == []
+
+
+def test_local_jobs_can_be_cancelled_when_the_driver_ignores_sigint() -> None:
+    """Started with nohup or `&` from a script, the driver ignores SIGINT and so would the job
+    controllers it starts: cancelling a local job (SIGINT) would do nothing."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    probe = [sys.executable, "-c", code]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ignored = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+        with interruptible_children():
+            started = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the driver's own, restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ignored.strip() == "False"  # inherited: ignored
+    assert started.strip() == "True"  # Python's own handler: SIGINT interrupts

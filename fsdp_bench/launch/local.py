@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,8 @@ class LocalLauncher:
             timeout_min=self.config.timeout_min,
             gpus_per_node=world_size if self._uses_cuda() else 0,
         )
-        handle = executor.submit(run_job, spec)
+        with interruptible_children():
+            handle = executor.submit(run_job, spec)
         return LocalJob(job_id=str(handle.job_id), folder=self.folder, handle=handle)
 
     def reattach(self, job_id: str) -> LocalJob:
@@ -119,6 +122,23 @@ class LocalLauncher:
         import torch
 
         return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def interruptible_children() -> Iterator[None]:
+    """Processes started inside take SIGINT as Python does by default, also when this one
+    ignores it (started with nohup or `&` from a script: the shell sets SIGINT to ignored, and
+    children inherit that). Cancelling a local job is SIGINT to its controller; ignored, a
+    hung rank would run until launcher.run_timeout_s."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _controller_running(pid: int, folder: Path) -> bool:
