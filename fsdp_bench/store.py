@@ -130,8 +130,9 @@ class RunResult:
     # and after the timed steps, each in a 0.1 s window while the run's ranks sleep
     contended: bool | None = None
     """True when something else competed: processes outside the run used more than
-    `load.CONTENDED_CPU_PCT` (10%) of a host's CPU in either window or over the run, or another
-    process was on one of the run's GPUs. None: not sampled (failures, older records)."""
+    `load.CONTENDED_CPU_PCT` (10%) of a host's CPU over the run (`WINDOW_CONTENDED_PCT`, 25%,
+    in a 0.1 s window), or another process was on one of the run's GPUs. None: not sampled
+    (failures, older records)."""
     contention: str = ""
     """What made the run contended, in one line ("" when quiet)."""
     load_per_core_start: float | None = None
