@@ -83,7 +83,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     estimates = _estimate(todo, store, options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
-    bar = _progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
+    bar = progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
     driver = Driver(
         store,
         ledger,
@@ -106,7 +106,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
 
 def _estimate(runs: list[RunConfig], store: ResultStore, progress: bool) -> dict[str, RunEstimate]:
     """Every run's memory estimate before anything launches (cached in estimates/)."""
-    bar = _progress_bar("estimate", len(runs)) if progress else None
+    bar = progress_bar("estimate", len(runs)) if progress else None
     try:
         return estimate_runs(
             runs, store.root / "estimates", on_estimate=lambda _: bar.update(1) if bar else None
@@ -189,7 +189,8 @@ def sweep_status(spec: SweepSpec, results_dir: Path | None) -> list[RunState]:
     return out
 
 
-def _progress_bar(name: str, total: int) -> Any:
+def progress_bar(name: str, total: int) -> Any:
+    """A tqdm bar of `total` runs (None for none); tqdm imported only when one is shown."""
     if not total:
         return None
     from tqdm import tqdm

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import optuna
 
@@ -33,6 +32,7 @@ from fsdp_bench.memory.estimate import overhead
 from fsdp_bench.search.trials import constraint_value, feasible_run_ids
 from fsdp_bench.stats import Estimate, indistinguishable
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
+from fsdp_bench.sweep import progress_bar
 
 CONFIRMED_METRIC = "tokens_per_s"
 """What the confirmation compares: the metric whose record carries a 95% interval."""
@@ -190,7 +190,8 @@ def confirm(
         runs[t.run_id].run_id: EstimatedPeaks(t.estimated_peak_gib, t.analytic_peak_gib)
         for t in trials
     }
-    bar = _progress_bar(len(todo), settings.confirm_rounds) if progress and todo else None
+    rounds = settings.confirm_rounds
+    bar = progress_bar(f"confirm ({rounds} rounds)", len(todo)) if progress else None
     on_record = (lambda _: bar.update(1)) if bar is not None else None
     driver = Driver(store, ledger, spec, verify=False, on_record=on_record, estimates=peaks)
     error = ""
@@ -210,9 +211,3 @@ def confirm(
     )
     outcome.error = error
     return outcome
-
-
-def _progress_bar(runs: int, rounds: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=runs, unit="run", desc=f"confirm ({rounds} rounds)")
