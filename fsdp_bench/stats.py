@@ -9,11 +9,19 @@ fewer than 6 draws even [x(1), x(n)] covers less than 95%, and there is no inter
 Consecutive steps of a drifting machine are not independent: the interval is about the noise
 between steps of one run, not about a run measured at another time.
 
+What moves a run between measurements (its setup, where its memory landed, a neighbour) is
+measured only by measuring it again: with `measure.rounds` > 1, each pass is one such
+measurement. `pass_noise` pools the passes of every run compared into one estimate of that
+noise (the standard deviation of ln(pass throughput) around each run's mean, as a one-way
+analysis of variance does), and `indistinguishable` also ties two runs whose difference a
+t-test on those passes cannot tell from it.
+
 Pure Python (no torch, no numpy), for the worker and for reports alike.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +30,9 @@ from fractions import Fraction
 CONFIDENCE = 0.95
 MIN_SAMPLES = 6
 """The fewest draws with a 95% interval for the median (1 - 2 / 2^6 = 96.9%)."""
+MIN_PASS_DF = 4
+"""The fewest degrees of freedom (passes beyond the first, summed over runs) for a pooled
+between-pass noise: below it the t quantile grows too fast to say anything."""
 
 
 def median_interval_ranks(n: int, confidence: float = CONFIDENCE) -> tuple[int, int] | None:
@@ -100,23 +111,90 @@ def within_target(step_times_s: Sequence[float], target_ci_pct: float) -> bool:
 @dataclass(frozen=True)
 class Estimate:
     """A run's throughput (higher is better) and what says how well it is known: the 95%
-    interval (None: fewer than 6 timed steps) and the range of its single steps, percent."""
+    interval (None: fewer than 6 timed steps), the range of its single steps, percent, and
+    the throughput of each pass (`measure.rounds` > 1; empty with one pass)."""
 
     value: float
     low: float | None = None
     high: float | None = None
     spread_pct: float | None = None
+    pass_values: tuple[float, ...] = ()
 
 
-def indistinguishable(a: Estimate, b: Estimate) -> bool:
+def pass_values(
+    value: float, median_s: float | None, pass_median_s: Sequence[float] | None
+) -> tuple[float, ...]:
+    """Each pass's throughput from its median step time, scaled like `value` (the run's
+    throughput at its pooled median step time `median_s`); empty with fewer than 2 passes."""
+    if not pass_median_s or len(pass_median_s) < 2 or not median_s or median_s <= 0:
+        return ()
+    return tuple(value * median_s / s for s in pass_median_s if s > 0)
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 97.5% quantile (two-sided 95%), by the Cornish-Fisher expansion around the
+    normal quantile (four terms): within 0.05% of the exact value from 4 degrees of freedom
+    (2.7756 against 2.7764 at 4)."""
+    z = statistics.NormalDist().inv_cdf(0.975)
+    terms = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
+    return z + sum(term / df ** (i + 1) for i, term in enumerate(terms))
+
+
+@dataclass(frozen=True)
+class PassNoise:
+    """How much one pass of a run moves its throughput: the pooled standard deviation of
+    ln(pass throughput) around each run's mean, with its degrees of freedom."""
+
+    sd_log: float
+    df: int
+    runs: int
+
+    @property
+    def pct(self) -> float:
+        """The standard deviation as a percent of throughput (one pass)."""
+        return 100.0 * math.expm1(self.sd_log)
+
+    def bound_log(self, passes_a: int, passes_b: int) -> float:
+        """The largest |ln(a / b)| a two-sided 95% t-test on the passes of two runs (of
+        `passes_a` and `passes_b` passes) cannot tell from no difference."""
+        return t_quantile_975(self.df) * self.sd_log * math.sqrt(1 / passes_a + 1 / passes_b)
+
+
+def pass_noise(estimates: Sequence[Estimate | None]) -> PassNoise | None:
+    """The between-pass noise pooled over every estimate with 2 or more passes; None with
+    fewer than `MIN_PASS_DF` degrees of freedom (a sweep of one pass has none)."""
+    squares, df, runs = 0.0, 0, 0
+    for estimate in estimates:
+        if estimate is None or len(estimate.pass_values) < 2:
+            continue
+        logs = [math.log(v) for v in estimate.pass_values]
+        mean = statistics.fmean(logs)
+        squares += sum((x - mean) ** 2 for x in logs)
+        df += len(logs) - 1
+        runs += 1
+    return PassNoise(math.sqrt(squares / df), df, runs) if df >= MIN_PASS_DF else None
+
+
+def indistinguishable(a: Estimate, b: Estimate, noise: PassNoise | None = None) -> bool:
     """Whether two runs cannot be told apart (the rule behind every "tied with the best").
 
-    With both intervals known: tied when they overlap. When either is missing (too few
-    steps): tied when the values differ by less than the larger of the two step spreads,
-    relative to the larger value; with either spread unknown too, tied (nothing bounds the
-    noise). The reading is conservative on purpose: a winner is only claimed when clearly
-    separated.
+    Tied when the difference is within the between-pass noise (both runs measured in 2 or
+    more passes, `noise` pooled over the runs compared: a 95% t-test on ln throughput).
+    Otherwise, with both step intervals known: tied when they overlap. When either is
+    missing (too few steps): tied when the values differ by less than the larger of the two
+    step spreads, relative to the larger value; with either spread unknown too, tied
+    (nothing bounds the noise). The reading is conservative on purpose: a winner is only
+    claimed when clearly separated.
     """
+    if noise is not None and a.pass_values and b.pass_values and min(a.value, b.value) > 0:
+        bound = noise.bound_log(len(a.pass_values), len(b.pass_values))
+        if abs(math.log(a.value / b.value)) <= bound:
+            return True
     if None not in (a.low, a.high, b.low, b.high):
         assert a.low is not None and a.high is not None  # for mypy
         assert b.low is not None and b.high is not None
@@ -129,16 +207,18 @@ def indistinguishable(a: Estimate, b: Estimate) -> bool:
 
 def tie_marks(estimates: Sequence[Estimate | None]) -> list[str]:
     """For each estimate: "best" (the highest value, the first of equals), "tied" (cannot be
-    told apart from the best by `indistinguishable`) or "" (clearly slower, or None: a run
-    that does not compete, such as a failed one)."""
+    told apart from the best by `indistinguishable`, with the passes' noise pooled over all
+    of them) or "" (clearly slower, or None: a run that does not compete, such as a failed
+    one)."""
     competing = [(i, e) for i, e in enumerate(estimates) if e is not None]
     marks = [""] * len(estimates)
     if not competing:
         return marks
+    noise = pass_noise(estimates)
     first, best = max(competing, key=lambda pair: (pair[1].value, -pair[0]))
     for i, estimate in competing:
         if i == first:
             marks[i] = "best"
-        elif indistinguishable(best, estimate):
+        elif indistinguishable(best, estimate, noise):
             marks[i] = "tied"
     return marks

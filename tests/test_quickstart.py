@@ -24,7 +24,9 @@ def test_quickstart_end_to_end(
     header = table[1].split()
     assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header
     notes = [line for line in table[2:] if "contended" in line and "--rerun" in line]
-    assert len(table) == 2 + 33 + len(notes)  # a run timed beside something else says so
+    assert len(table) == 2 + 33 + 1 + len(notes)  # a run timed beside something else says so
+    noise = table[2 + 33]
+    assert noise.startswith("between-pass noise: ") and "pooled over 33 runs, 33 degrees" in noise
 
     # What a user does next: read the folder with pandas.
     code = f"import fsdp_bench; df = fsdp_bench.load_results({str(results)!r}); print(len(df))"

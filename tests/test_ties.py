@@ -4,6 +4,7 @@ its marks in the terminal ranking, the best per world size, the headline and the
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import optuna
@@ -17,7 +18,15 @@ from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import summaries, tables, ties
 from fsdp_bench.report.build import headline_text
 from fsdp_bench.search import SearchOutcome
-from fsdp_bench.stats import Estimate, indistinguishable, summarize_times, tie_marks
+from fsdp_bench.stats import (
+    Estimate,
+    indistinguishable,
+    pass_noise,
+    pass_values,
+    summarize_times,
+    t_quantile_975,
+    tie_marks,
+)
 from fsdp_bench.store import ResultStore, RunResult, load_results
 
 TOKENS_PER_STEP = 1000.0
@@ -67,6 +76,53 @@ def test_without_intervals_the_larger_spread_decides_and_nothing_known_is_a_tie(
     assert tie_marks([None]) == [""]
 
 
+def test_t_quantile_matches_the_table() -> None:
+    table = {4: 2.7764, 5: 2.5706, 8: 2.3060, 12: 2.1788, 30: 2.0423, 120: 1.9799}
+    for df, exact in table.items():
+        assert t_quantile_975(df) == pytest.approx(exact, rel=5e-4)
+
+
+def _passes(rng: random.Random, true: float, sd: float, num_passes: int) -> Estimate:
+    """A run measured in passes whose throughput moves by `sd` (log scale) from one pass to
+    the next, each pass's steps tight (every step interval is narrow: only passes see it)."""
+    values = [true * math.exp(rng.gauss(0, sd)) for _ in range(num_passes)]
+    value = math.exp(sum(math.log(v) for v in values) / num_passes)
+    return Estimate(value, 0.999 * value, 1.001 * value, 0.5, tuple(values))
+
+
+def test_pass_noise_is_the_pooled_spread_of_the_passes() -> None:
+    rng = random.Random(7)
+    runs = [_passes(rng, 1000.0 * (1 + i), sd=0.05, num_passes=3) for i in range(40)]
+    noise = pass_noise([*runs, None, Estimate(5.0)])  # one-pass and failed runs add nothing
+    assert noise is not None and (noise.df, noise.runs) == (80, 40)
+    assert 0.04 < noise.sd_log < 0.06  # 80 degrees of freedom: within about 15% of 0.05
+    assert pass_noise(runs[:1]) is None  # 2 degrees of freedom: too few to pool
+    assert pass_values(1000.0, 0.1, [0.1, 0.125]) == (1000.0, 800.0)
+    assert pass_values(1000.0, 0.1, [0.1]) == () and pass_values(1000.0, None, None) == ()
+
+
+def test_equal_runs_whose_passes_move_are_tied_95_percent_of_the_time() -> None:
+    """Coverage on synthetic data: two equal configurations among 10 (3 passes each, 5%
+    pass noise, tight steps) are tied in 95% of 400 sweeps, as a 95% test should (within two
+    binomial standard deviations, 2.2 points); a configuration 25% slower is told apart
+    almost always. Step intervals alone would split the equal pair in
+    nearly every sweep."""
+    rng = random.Random(11)
+    tied_equal = separated_slower = split_by_steps = 0
+    sweeps = 400
+    for _ in range(sweeps):
+        a, b = (_passes(rng, 1000.0, 0.05, 3) for _ in range(2))
+        slower = _passes(rng, 800.0, 0.05, 3)
+        others = [_passes(rng, 500.0 + 30 * i, 0.05, 3) for i in range(7)]
+        noise = pass_noise([a, b, slower, *others])
+        tied_equal += indistinguishable(a, b, noise)
+        separated_slower += not indistinguishable(a, slower, noise)
+        split_by_steps += not indistinguishable(a, b)
+    assert 0.928 * sweeps <= tied_equal <= 0.972 * sweeps
+    assert separated_slower >= 0.95 * sweeps
+    assert split_by_steps >= 0.9 * sweeps
+
+
 def _frame() -> pd.DataFrame:
     rows = {
         "a": ("ok", 0.100, 0.002),
@@ -101,6 +157,27 @@ def test_the_terminal_ranking_marks_ties_and_shows_the_interval() -> None:
     assert rows[0].split()[:4] == ["a", "10,000", f"{low:,.0f}-{high:,.0f}", "best"]
     assert rows[1].split()[3] == "tied" and "tied" not in rows[2] + rows[3]
     assert ties.tied_with(df, "a") == ["b"] and ties.tied_with(df, "d") == []
+
+
+def test_passes_that_disagree_tie_runs_their_steps_separate() -> None:
+    """a and c: step intervals far apart (c 8% slower), but each run's passes move by about
+    10%: the frame's pooled pass noise ties them; without the passes they are separate."""
+    df = _frame().drop(index=3)
+    df = df.assign(tokens_per_s_ci_low=df["tokens_per_s"] * 0.99)
+    df = df.assign(tokens_per_s_ci_high=df["tokens_per_s"] * 1.01)
+    df.loc[2, ["tokens_per_s", "tokens_per_s_ci_low", "tokens_per_s_ci_high"]] = (
+        9200.0,
+        9110.0,
+        9290.0,
+    )
+    df["step_time_s"] = 1000.0 / df["tokens_per_s"]
+    assert ties.tied_with(df, "a") == ["b"]
+    moves = [[0.9, 1.0, 1.1], [1.1, 1.0, 0.9], [1.0, 1.12, 0.9]]
+    steps = zip(df["step_time_s"], moves, strict=True)
+    df["round_step_time_s"] = [[s * m for m in move] for s, move in steps]
+    assert ties.noise(df) is not None and ties.noise(df).df == 6
+    assert ties.tied_with(df, "a") == ["b", "c"]
+    assert tables.ranking(df)["tie"].tolist() == ["best", "tied", "tied"]
 
 
 def test_no_interval_column_when_no_run_has_one() -> None:

@@ -303,10 +303,14 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
     from fsdp_bench.report.tables import format_ranking, ranking
+    from fsdp_bench.report.ties import noise_text
     from fsdp_bench.store import load_results
 
-    table = ranking(load_results(results_dir), run_ids)
+    df = load_results(results_dir)
+    table = ranking(df, run_ids)
     print(format_ranking(table))
+    if "tie" in table:
+        print(f"between-pass noise: {noise_text(df[df['run_id'].isin(run_ids)])}")
     failed = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
     if len(failed):
         print(f"{len(failed)} runs did not finish ok; see 'reason' in the results.")

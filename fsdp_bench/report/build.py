@@ -21,7 +21,7 @@ from fsdp_bench.errors import FsdpBenchError, ResultsError
 from fsdp_bench.report import compare as comparing
 from fsdp_bench.report import figures as figs
 from fsdp_bench.report import html as html_report
-from fsdp_bench.report import memory_figures, summaries
+from fsdp_bench.report import memory_figures, summaries, ties
 from fsdp_bench.report import search_figures as study_figures
 from fsdp_bench.report import study as study_data
 from fsdp_bench.report import tables as report_tables
@@ -308,6 +308,7 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
         "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
         **summaries.provenance(inputs.df),
         **_measured_again(inputs.df),
+        "between-pass noise": ties.noise_text(inputs.df),
         "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if inputs.other is not None and inputs.compare is not None:

@@ -1,6 +1,7 @@
 """Which runs of a results frame cannot be told apart from the best: the rule of
-`fsdp_bench.stats.indistinguishable` on each ok run's tokens/s, its 95% interval and its
-step-time spread."""
+`fsdp_bench.stats.indistinguishable` on each ok run's tokens/s, its 95% interval, its
+step-time spread and (with `measure.rounds` > 1) its passes, their noise pooled over the
+frame's runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from typing import Any
 
 import pandas as pd
 
-from fsdp_bench.stats import Estimate, indistinguishable, tie_marks
+from fsdp_bench.stats import (
+    Estimate,
+    PassNoise,
+    indistinguishable,
+    pass_noise,
+    pass_values,
+    tie_marks,
+)
 
 MARKS_COLUMN = "tie"
 
@@ -28,13 +36,39 @@ def estimate(row: pd.Series) -> Estimate | None:
         low=_number(row, "tokens_per_s_ci_low"),
         high=_number(row, "tokens_per_s_ci_high"),
         spread_pct=_number(row, "step_time_spread_pct"),
+        pass_values=pass_values(value, _number(row, "step_time_s"), _passes(row)),
     )
+
+
+def _passes(row: pd.Series) -> list[float] | None:
+    value: Any = row.get("round_step_time_s")
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else None
+
+
+def noise(df: pd.DataFrame) -> PassNoise | None:
+    """The between-pass noise pooled over the frame's ok runs (None: too few passes)."""
+    return pass_noise([estimate(row) for _, row in df.iterrows()])
 
 
 def marks(df: pd.DataFrame) -> pd.Series:
     """ "best", "tied" or "" for each row of `df` (same index), among its ok runs."""
     found = [estimate(row) for _, row in df.iterrows()]
     return pd.Series(tie_marks(found), index=df.index, dtype=object)
+
+
+def noise_text(df: pd.DataFrame) -> str:
+    """One line on the between-pass noise the ties allow for, or why there is none."""
+    found = noise(df[df["status"].eq("ok")]) if "status" in df else None
+    if found is None:
+        return (
+            "not measured (fewer than 4 passes beyond each run's first: measure.rounds 1); "
+            "ties allow only for the noise between one run's steps"
+        )
+    return (
+        f"{found.pct:.1f}% from one pass to the next (pooled over {found.runs} runs, "
+        f"{found.df} degrees of freedom); runs closer than a 95% t-test on their passes can "
+        "tell are tied"
+    )
 
 
 def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
@@ -48,11 +82,12 @@ def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
     best = estimate(row)
     if best is None:
         return []
+    passes = noise(rows)
     others = rows.drop(index=run_id).sort_values("tokens_per_s", ascending=False)
     return [
         str(other["run_id"])
         for _, other in others.iterrows()
-        if (found := estimate(other)) is not None and indistinguishable(best, found)
+        if (found := estimate(other)) is not None and indistinguishable(best, found, passes)
     ]
 
 

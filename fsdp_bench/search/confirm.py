@@ -30,7 +30,7 @@ from fsdp_bench.launch import Launcher
 from fsdp_bench.launch.driver import Driver, Ledger
 from fsdp_bench.memory.estimate import overhead
 from fsdp_bench.search.trials import constraint_value, feasible_run_ids
-from fsdp_bench.stats import Estimate, indistinguishable
+from fsdp_bench.stats import Estimate, indistinguishable, pass_noise, pass_values
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 from fsdp_bench.sweep import progress_bar
 
@@ -139,6 +139,7 @@ def estimate_of(result: RunResult) -> Estimate:
         low=result.tokens_per_s_ci_low,
         high=result.tokens_per_s_ci_high,
         spread_pct=result.step_time_spread_pct,
+        pass_values=pass_values(result.tokens_per_s, result.step_time_s, result.round_step_time_s),
     )
 
 
@@ -163,7 +164,8 @@ def decide(
     competing.sort(key=lambda c: -c.estimate.value)  # stable: equals keep the trials' order
     winner, others = competing[0], competing[1:]
     outcome.winner = winner
-    outcome.tied = [c for c in others if indistinguishable(winner.estimate, c.estimate)]
+    noise = pass_noise([c.estimate for c in competing])
+    outcome.tied = [c for c in others if indistinguishable(winner.estimate, c.estimate, noise)]
     return outcome
 
 
