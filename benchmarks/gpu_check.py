@@ -20,6 +20,10 @@ recorded even when it fails, with its wall time:
   the same peak;
 - the harness against a bare FSDP2 loop in the same processes (benchmarks/harness_overhead.py);
 - step time by perf_counter + synchronize against CUDA events over the same steps;
+- where a step's time goes (issue 14): forward / backward / optimizer and exposed
+  communication, root against block grouping, at world size 1 (nothing to expose) and, with
+  two GPUs or more (or on CPU), at world size 2; on the same runs, Distributed Checkpoint
+  save and load times with the restore checked at the same world size and at world size 1;
 - with two GPUs or more: world size 2 with FSDP and HSDP, an injected hang recorded `timeout`,
   and which device each rank used.
 On CPU (--device cpu) the same parts run on the tiny preset, and the CUDA-only figures
@@ -216,6 +220,31 @@ def harness(check: Check) -> dict[str, Any]:
     }
 
 
+BREAKDOWN_COLUMNS = [
+    "run_id", "status", "world_size", "grouping", "step_time_s", "profiled_step_s", "forward_s",
+    "backward_s", "optimizer_s", "comm_s", "exposed_comm_s", "comm_hidden_pct",
+    "all_gather_gb_s", "checkpoint_save_s", "checkpoint_load_s", "checkpoint_bytes",
+    "checkpoint_restore_ok", "checkpoint_reshard_ok", "reason",
+]  # fmt: skip
+
+
+def step_breakdown(check: Check) -> dict[str, Any]:
+    """Root against block grouping, each profiled step broken down and checkpointed."""
+    sizes = [1, 2] if check.num_gpus >= 2 or not check.on_gpu else [1]
+    base = {
+        "model": {"name": "llama3-1b" if check.on_gpu else "tiny"},
+        "data": {"micro_batch_size": 1, "seq_len": 1024 if check.on_gpu else 128},
+        "fsdp": {"mixed_precision": "bf16" if check.on_gpu else "fp32"},
+        "measure": {"warmup_steps": 2, "timed_steps": 3, "repeats": 1, "checkpoint": True},
+    }
+    axes = {"world_size": sizes, "fsdp.grouping": ["root", "block"]}
+    df = sweep(check, "step_breakdown", base, axes, verify=True)
+    found = [{k: _plain(v) for k, v in r.items()} for r in
+             df.reindex(columns=BREAKDOWN_COLUMNS).to_dict(orient="records")]  # fmt: skip
+    one_rank = [r["exposed_comm_s"] or 0.0 for r in found if r["world_size"] == 1]
+    return {"runs": found, "world_size_1_exposed_comm_s": one_rank}
+
+
 def timer(check: Check) -> dict[str, Any]:
     """perf_counter + synchronize against CUDA events over the same steps (one GPU)."""
     if not check.on_gpu:
@@ -294,6 +323,7 @@ PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("failures", failures_and_isolation),
     ("harness", harness),
     ("timer", timer),
+    ("step_breakdown", step_breakdown),
     ("multi_gpu", multi_gpu),
 ]
 

@@ -126,6 +126,38 @@ class RunResult:
     parity_param_max_abs_diff: float | None = None
     parity_scope: str | None = None
     """What was compared: "as run", or the scaled-down copy of a large model (its shape)."""
+    # Where a step's time goes: rank 0's profiled step under torch.profiler (`step_trace`)
+    profiled_step_s: float | None = None
+    """The profiled step (slower than a timed one: the profiler's own cost)."""
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    """Its phases, all micro-batches together; the optimizer includes zero_grad."""
+    comm_s: float | None = None
+    """Time some collective was in flight (the backend's work: NCCL kernels on CUDA)."""
+    exposed_comm_s: float | None = None
+    """Of comm_s, the time no compute ran beside it: what communication adds to the step."""
+    comm_hidden_pct: float | None = None
+    """100 x (1 - exposed / comm): the share of communication hidden by compute."""
+    all_gather_gb_s: float | None = None
+    all_gather_group_gb_s: list[float] | None = None
+    """All-gather output bytes over duration (algorithm bandwidth; NCCL's bus bandwidth is
+    this x (n - 1) / n): all together, and each in issue order (one per group unshard)."""
+    all_gather_s: list[float] | None = None
+    all_gather_exposed_s: list[float] | None = None
+    """Each all-gather's duration, and its time with no compute beside it, in issue order."""
+    # Distributed Checkpoint of the sharded model and optimizer state (measure.checkpoint)
+    checkpoint_save_s: float | None = None
+    checkpoint_load_s: float | None = None
+    """Each ends when the slowest rank's does; the load includes set_state_dict."""
+    checkpoint_bytes: int | None = None
+    """On disk: every rank's file and the metadata."""
+    checkpoint_dir: str | None = None
+    """Where the files were kept (measure.keep_checkpoint); None: removed after the load."""
+    checkpoint_restore_ok: bool | None = None
+    checkpoint_reshard_ok: bool | None = None
+    """--verify: loading at the same world size restored every tensor of the state; loading
+    at world size 1 gave every full parameter. A failure's text is in `reason`."""
     # The machine around the run (`fsdp_bench.job.load`): sampled before the model is built
     # and after the timed steps, each in a 0.1 s window while the run's ranks sleep
     contended: bool | None = None

@@ -29,5 +29,9 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> Non
     assert parts["failures"]["twins_same_peak"]
     assert parts["harness"]["returncode"] == 0 and parts["harness"]["ratio_of_medians"] > 0
     assert parts["timer"]["skipped"] and parts["multi_gpu"]["skipped"]
+    breakdown = parts["step_breakdown"]["runs"]
+    assert {(r["world_size"], r["status"]) for r in breakdown} == {(1, "ok"), (2, "ok")}
+    assert all(r["checkpoint_restore_ok"] and r["checkpoint_reshard_ok"] for r in breakdown)
+    assert all(s == 0 for s in parts["step_breakdown"]["world_size_1_exposed_comm_s"])
     text = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}" in text for name in parts)

@@ -24,10 +24,11 @@ from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import configs, figure_data, summaries, tables
-from fsdp_bench.report.build import build_report, load, markdown_summary
+from fsdp_bench.report.build import build_report, load
 from fsdp_bench.report.compare import compare_results
 from fsdp_bench.report.figures import FIGURES
 from fsdp_bench.report.html import Document, Section
+from fsdp_bench.report.markdown import markdown_summary
 from fsdp_bench.store import FAULT_COLUMNS, MODEL_COLUMNS, ResultStore, RunResult
 
 # --- a hand-built results folder: failures in some cells, cells missing -----------------------

@@ -34,6 +34,19 @@ class MeasureConfig:
     runs, then all again), and a run's record pools the step times of all its passes. A
     slow drift of the machine then hits every configuration alike; each pass pays the run's
     setup and warm-up again."""
+    trace: bool = False
+    """Keep the profiled step's torch.profiler trace per rank under `traces/<run_id>/` in
+    the results folder (Chrome trace format, opens in Perfetto); the breakdown it gives
+    (forward, backward, optimizer, exposed communication) is recorded either way."""
+    checkpoint: bool = False
+    """After the timed steps (first pass only), save the sharded model and optimizer state
+    with Distributed Checkpoint and load it back: `checkpoint_save_s`, `checkpoint_load_s`,
+    `checkpoint_bytes` (`fsdp_bench.job.checkpoint`)."""
+    checkpoint_dir: str | None = None
+    """Where the checkpoint files go (a cluster's parallel file system, say), one folder per
+    run; None: `checkpoints/` in the results folder."""
+    keep_checkpoint: bool = False
+    """Leave the files in place (they are removed after the load by default)."""
 
     def __post_init__(self) -> None:
         at_least(self, "warmup_steps", 1)
@@ -43,6 +56,11 @@ class MeasureConfig:
         target = self.target_ci_pct
         if target is not None and not target > 0:
             raise bad_value("target_ci_pct", target, "expected a number > 0 (percent) or null")
+        for name in ("checkpoint_dir", "keep_checkpoint"):
+            if getattr(self, name) not in (None, False) and not self.checkpoint:
+                raise CombinationError(
+                    name, getattr(self, name), "needs measure.checkpoint: true (it is false)"
+                )
         if self.max_repeats is not None and self.max_repeats < self.repeats:
             raise CombinationError(
                 "max_repeats",

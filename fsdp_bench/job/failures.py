@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -121,3 +122,23 @@ def inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
             os._exit(17)
         case other:
             raise ValueError(f"fault.kind {other!r}")
+
+
+def handle_scheduler_signals() -> None:
+    """What a rank does on the scheduler's signals (set once per job).
+
+    submitit ignores SIGTERM in jobs; here it means the allocation is going away, and the run
+    must not go on for the scheduler's kill delay, measuring nothing useful: it raises
+    `Terminated`. submitit turns its early warning (USR2, 90 s before the time limit or at
+    preemption) into an exception unless the job checkpoints; jobs here are requeued whole by
+    Slurm and the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so the rank
+    says so and keeps working."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated(f"the job was stopped by the scheduler ({signal.Signals(signum).name})")
+
+    def warn(signum: int, frame: object) -> None:
+        print("fsdp-bench: the scheduler warns that this job ends soon (USR2)", flush=True)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGUSR2, warn)

@@ -1,4 +1,5 @@
-"""What a run measures besides time: collectives per step and peak memory.
+"""What a run measures besides time: collectives per step, peak memory and where a step's
+time goes (`step_trace`).
 
 Each measurement runs in its own untimed optimizer step (`profile_step`), so the timed steps
 carry nothing but the training step.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.step_trace import StepBreakdown, trace_step
 from fsdp_bench.job.training import Batch, make_train_step
 
 # c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
@@ -40,6 +43,8 @@ class CollectiveCounts:
     other: int = 0
     all_gathers_before_compute: int = 0
     """All-gathers issued before the step's first matmul: explicit prefetch raises it."""
+    all_gather_sizes_bytes: list[int] = field(default_factory=list)
+    """Each all-gather's output bytes, in issue order (one per group unshard)."""
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -69,6 +74,7 @@ class CollectiveCounter(TorchDispatchMode):
         if name in _ALL_GATHER:
             c.all_gathers += 1
             c.all_gather_bytes += _nbytes(args[0])
+            c.all_gather_sizes_bytes.append(_nbytes(args[0]))
         elif name in _REDUCE_SCATTER:
             c.reduce_scatters += 1
             c.reduce_scatter_bytes += _nbytes(args[1])
@@ -110,12 +116,19 @@ class MemoryReport:
 class StepProfile:
     counts: CollectiveCounts
     memory: MemoryReport
+    breakdown: StepBreakdown | None = None
 
 
 def profile_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch], run: RunConfig
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Batch],
+    run: RunConfig,
+    trace_path: Path | None = None,
+    break_down: bool = True,
 ) -> StepProfile:
-    """One untimed optimizer step under the memory tracker and the collective counter.
+    """One untimed optimizer step under the memory tracker and the collective counter, then
+    (`break_down`) one under torch.profiler (`step_trace`; its trace kept at `trace_path`).
 
     Memory is the tensor-level peak in steady state (the model must have stepped already, so
     that optimizer state exists), from torch's MemTracker, which follows every storage
@@ -136,10 +149,19 @@ def profile_step(
     counter = CollectiveCounter()
     with tracker, counter:
         step()
-    memory = _snapshot(tracker, batches[0][0].device.type)
+    device = batches[0][0].device
+    memory = _snapshot(tracker, device.type)
     if isinstance(model, DistributedDataParallel):
         add_ddp_buckets(memory, model)
-    return StepProfile(counter.counts, memory)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if not break_down:
+        return StepProfile(counter.counts, memory)
+    timed = trace_step(model, optimizer, batches, run, synchronize, trace_path)
+    return StepProfile(counter.counts, memory, timed)
 
 
 def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.presets import ModelShape
-from fsdp_bench.config.run import ModelConfig
+from fsdp_bench.config.run import ModelConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 
 
@@ -322,3 +322,12 @@ def _call_user_model(config: ModelConfig) -> ModelBundle:
             "expected fsdp_bench.ModelBundle(module=..., blocks=[...], vocab_size=...)"
         )
     return bundle
+
+
+def sdpa_backend(run: RunConfig, device: torch.device) -> str | None:
+    """The attention kernel of a preset model in the run's compute dtype (None: not a
+    preset, whose attention is the user's)."""
+    if run.model.is_user_model:
+        return None
+    dtype = torch.bfloat16 if run.fsdp.mixed_precision == "bf16" else torch.float32
+    return attention_backend(run.model.shape, run.data.seq_len, dtype, device)

@@ -41,7 +41,7 @@ class RankOutcome:
     tracked_peak_bytes: int
     """On the run's device (a GPU's own, with CPU offload the host share is apart)."""
     breakdown_bytes: dict[str, int]
-    counts: dict[str, int]
+    counts: dict[str, Any]
     """CollectiveCounts as a dict."""
     largest_group_bytes: int
     num_groups: int
@@ -62,6 +62,10 @@ class RankOutcome:
     """How many of step_times_s each pass (`measure.rounds`) timed, in order; None: one."""
     load: list[LoadSample] = field(default_factory=list)
     """The machine before the model was built and after the timed steps, every pass's."""
+    checkpoint: dict[str, Any] | None = None
+    """`checkpoint.CheckpointCost` as a dict (first pass, with measure.checkpoint)."""
+    breakdown: dict[str, Any] | None = None
+    """`step_trace.StepBreakdown` as a dict: the profiled step's phases and communication."""
 
 
 def pool_passes(passes: list[RankOutcome]) -> RankOutcome:
@@ -97,6 +101,7 @@ def pool_passes(passes: list[RankOutcome]) -> RankOutcome:
         num_alloc_retries=total("num_alloc_retries"),
         num_ooms=total("num_ooms"),
         parity=passes[0].parity,
+        checkpoint=passes[0].checkpoint,
         load=[s for p in passes for s in p.load],
     )
 
@@ -133,13 +138,15 @@ def build_result(
         run_id=run.run_id,
         status="ok",
         config=to_plain(run),
-        reason=parity["detail"] if parity and not parity["ok"] else "",
+        reason=_problems(parity, first.checkpoint),
         **_throughput(run, ranks, where, str(about["device_name"])),
         **_memory(ranks, where.device.type == "cuda"),
         sdpa_backend=first.sdpa_backend,
         **where.peaks._asdict(),
         **_collectives(first),
+        **_breakdown(first),
         **_parity(parity),
+        **_checkpoint(ranks),
         **record_fields([s for o in ranks for s in o.load]),
         setup_s=max(o.setup_s for o in ranks),
         warmup_s=max(o.warmup_s for o in ranks),
@@ -241,6 +248,34 @@ def _collectives(first: RankOutcome) -> dict[str, Any]:
     }
 
 
+def _breakdown(first: RankOutcome) -> dict[str, Any]:
+    """Rank 0's profiled step: phases, communication, and the all-gathers' achieved
+    bandwidth (output bytes over duration, each and together)."""
+    found = first.breakdown
+    if not found:
+        return {}
+    sizes: list[int] = first.counts.get("all_gather_sizes_bytes", [])
+    times: list[float] = found["all_gather_s"]
+    together_s = sum(times)
+    per_group = None
+    if len(sizes) == len(times) and all(t > 0 for t in times):
+        per_group = [size / t / 1e9 for size, t in zip(sizes, times, strict=True)]
+    comm_s, exposed_s = found["comm_s"], found["exposed_comm_s"]
+    return {
+        "profiled_step_s": found["step_s"],
+        "forward_s": found["forward_s"],
+        "backward_s": found["backward_s"],
+        "optimizer_s": found["optimizer_s"],
+        "comm_s": comm_s,
+        "exposed_comm_s": exposed_s,
+        "comm_hidden_pct": 100.0 * (1 - exposed_s / comm_s) if comm_s > 0 else None,
+        "all_gather_gb_s": sum(sizes) / together_s / 1e9 if sizes and together_s > 0 else None,
+        "all_gather_group_gb_s": per_group,
+        "all_gather_s": times,
+        "all_gather_exposed_s": found["all_gather_exposed_s"],
+    }
+
+
 def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
     if not parity:
         return {}
@@ -249,6 +284,31 @@ def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
         "parity_grad_max_abs_diff": parity["grad_max_abs_diff"],
         "parity_param_max_abs_diff": parity["param_max_abs_diff"],
         "parity_scope": parity["scope"],
+    }
+
+
+def _problems(parity: dict[str, Any] | None, checkpoint: dict[str, Any] | None) -> str:
+    """What the checks found wrong in a run that still measured ok ("" when nothing)."""
+    found = [parity["detail"]] if parity and not parity["ok"] else []
+    if checkpoint and checkpoint.get("detail"):
+        found.append(checkpoint["detail"])
+    return "; ".join(found)
+
+
+def _checkpoint(ranks: list[RankOutcome]) -> dict[str, Any]:
+    """The slowest rank's save and load (each ends when the last rank's does)."""
+    costs = [o.checkpoint for o in ranks if o.checkpoint]
+    if not costs:
+        return {}
+    first = costs[0]
+    timed = "save_s" in first
+    return {
+        "checkpoint_save_s": max(c["save_s"] for c in costs) if timed else None,
+        "checkpoint_load_s": max(c["load_s"] for c in costs) if timed else None,
+        "checkpoint_bytes": first.get("num_bytes"),
+        "checkpoint_dir": first["folder"] if first.get("kept") else None,
+        "checkpoint_restore_ok": first.get("restore_ok"),
+        "checkpoint_reshard_ok": first.get("reshard_ok"),
     }
 
 

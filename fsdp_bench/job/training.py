@@ -8,6 +8,7 @@ optimizer step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.models import logits_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Mark = Callable[[str], AbstractContextManager[object]]
+"""Wraps each phase of a step ("forward", "backward", "optimizer"), e.g. record_function."""
 
 
 def global_micro_batch(run: RunConfig, index: int, vocab_size: int) -> Batch:
@@ -86,11 +89,13 @@ def forward_backward(
     grad_sync: str,
     before_micro_batch: Callable[[], None] | None = None,
     autocast: torch.dtype | None = None,
+    mark: Mark | None = None,
 ) -> Callable[[], None]:
     """The step's micro-batches: forward and backward, loss scaled by 1/K.
 
     `autocast` is mixed precision for models that FSDP2's MixedPrecisionPolicy does not
-    handle (the DDP baseline)."""
+    handle (the DDP baseline); `mark` wraps each forward and each backward (a profiled step
+    only: the timed loop runs the closure without it)."""
     count = len(batches)
     sync_last_only = grad_sync == "last" and count > 1
 
@@ -113,7 +118,19 @@ def forward_backward(
                 _set_gradient_sync(model, index == count - 1)
             (loss_of(inputs, targets) / count).backward()
 
-    return run_micro_batches
+    def run_marked_micro_batches() -> None:
+        assert mark is not None
+        for index, (inputs, targets) in enumerate(batches):
+            if before_micro_batch is not None:
+                before_micro_batch()
+            if sync_last_only:
+                _set_gradient_sync(model, index == count - 1)
+            with mark("forward"):
+                loss = loss_of(inputs, targets) / count
+            with mark("backward"):
+                loss.backward()
+
+    return run_micro_batches if mark is None else run_marked_micro_batches
 
 
 def autocast_dtype(run: RunConfig) -> torch.dtype | None:
@@ -129,10 +146,12 @@ def make_train_step(
     batches: list[Batch],
     run: RunConfig,
     before_micro_batch: Callable[[], None] | None = None,
+    mark: Mark | None = None,
 ) -> Callable[[], None]:
-    """One optimizer step as a closure: the exact code the timed loop runs."""
+    """One optimizer step as a closure: the exact code the timed loop runs (with `mark`,
+    the same step with each phase wrapped, for a profiled step)."""
     micro_batches = forward_backward(
-        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run)
+        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark
     )
 
     def train_step() -> None:
@@ -140,7 +159,14 @@ def make_train_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return train_step
+    def marked_train_step() -> None:
+        assert mark is not None
+        micro_batches()
+        with mark("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return train_step if mark is None else marked_train_step
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:

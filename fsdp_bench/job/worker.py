@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import shutil
-import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -29,18 +28,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import one_line
+from fsdp_bench.job.checkpoint import checkpoint_cost
 from fsdp_bench.job.failures import (
-    Terminated,
     classify,
     fail,
+    handle_scheduler_signals,
     inject_fault,
     mark_started,
     note_failure,
 )
 from fsdp_bench.job.load import run_pids, sample
 from fsdp_bench.job.measure import StepProfile, profile_once, profile_step
-from fsdp_bench.job.models import attention_backend, build_model, check_initialised
-from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.models import build_model, check_initialised, sdpa_backend
+from fsdp_bench.job.parallelize import ShardPlan, parallelize
 from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result, pool_passes
 from fsdp_bench.job.rendezvous import (
@@ -52,7 +52,8 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
-from fsdp_bench.job.timing import GRACE_S, measure_steps
+from fsdp_bench.job.step_trace import trace_file
+from fsdp_bench.job.timing import GRACE_S, StepMeasurements, measure_steps
 from fsdp_bench.job.training import (
     build_optimizer,
     make_train_step,
@@ -105,14 +106,6 @@ class JobContext:
         return self.meshes[shape]
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated(f"the job was stopped by the scheduler ({signal.Signals(signum).name})")
-
-
-def _note_warning(signum: int, frame: object) -> None:
-    print("fsdp-bench: the scheduler warns that this job ends soon (USR2)", flush=True)
-
-
 def run_job(job: JobSpec) -> list[str]:
     """Entry point of every rank (a picklable top-level callable). Returns run ids recorded.
 
@@ -120,13 +113,7 @@ def run_job(job: JobSpec) -> list[str]:
     2 every run with two rounds or more again, and so on; a run is recorded after its last
     pass, with the step times of all its passes pooled."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
-    # submitit ignores SIGTERM in jobs; here it means the allocation is going away, and the
-    # run must not go on for the scheduler's kill delay, measuring nothing useful.
-    signal.signal(signal.SIGTERM, _terminate)
-    # submitit turns its early warning (USR2, 90 s before the time limit or at preemption)
-    # into an exception unless the job checkpoints; jobs here are requeued whole by Slurm and
-    # the scheduler's final state (TIMEOUT, PREEMPTED) classifies the run, so keep working.
-    signal.signal(signal.SIGUSR2, _note_warning)
+    handle_scheduler_signals()
     context = _start(job, rank_info(), ResultStore(job.results_dir))
     todo = [run for run in job.runs if not _already_recorded(run, context)]
     passes: dict[str, list[MeasuredPass]] = {run.run_id: [] for run in todo}
@@ -229,7 +216,7 @@ def _measure_pass(run: RunConfig, context: JobContext, index: int) -> MeasuredPa
     started_at = now_iso()
     start = time.perf_counter()
     try:
-        outcome = execute_run(run, context, verify=context.verify and index == 0)
+        outcome = execute_run(run, context, first_pass=index == 0)
     except BaseException as err:
         fail(inflight, info, err)
     return MeasuredPass(outcome, started_at, time.perf_counter() - start)
@@ -274,12 +261,13 @@ def _record(run: RunConfig, job: JobSpec, context: JobContext, passes: list[Meas
     return True
 
 
-def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> RankOutcome:
+def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) -> RankOutcome:
     """Build, shard, warm up, profile one step (collectives, memory), time. Every rank.
-    `verify`: check parity first (once per run, not once per pass)."""
+    In a run's first pass only (`measure.rounds`): the parity check first (`--verify`) and
+    the checkpoint's cost last (`measure.checkpoint`)."""
     device, rank = context.device, context.info.rank
     mesh = context.mesh(run.mesh_shape)
-    parity = _verify(run, mesh, context) if verify else None
+    parity = _verify(run, mesh, context) if context.verify and first_pass else None
 
     on_cuda = device.type == "cuda"
     gpu, pids = device.index if on_cuda else None, context.run_pids
@@ -297,10 +285,14 @@ def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> Ra
     setup_s = time.perf_counter() - start
 
     inject_fault(run, rank, device)
+    trace = trace_file(run, context.store.root, rank)
     measured = measure_steps(
         step,
         profile_once(
-            context.profiles, run.run_id, lambda: profile_step(model, optimizer, batches, run), step
+            context.profiles,
+            run.run_id,
+            lambda: profile_step(model, optimizer, batches, run, trace),
+            step,
         ),
         run,
         device,
@@ -308,29 +300,48 @@ def execute_run(run: RunConfig, context: JobContext, verify: bool = False) -> Ra
         context.collective_timeout_s,
     )
     load_end = sample("end", context.info.local_rank, pids, gpu)
-    memory = measured.profile.memory
+    saved = None
+    if run.measure.checkpoint and first_pass:
+        saved = checkpoint_cost(
+            run, model, optimizer, context.store.root, device, verify=context.verify
+        )
+    return _outcome(
+        measured,
+        plan,
+        device,
+        setup_s=setup_s,
+        allocated_at_start_bytes=allocated_at_start,
+        sdpa_backend=sdpa_backend(run, device),
+        parity=parity,
+        load=[load_start, load_end],
+        checkpoint=saved,
+    )
+
+
+def _outcome(
+    measured: StepMeasurements, plan: ShardPlan, device: torch.device, **extra: Any
+) -> RankOutcome:
+    """What the measurement protocol and the sharding plan give the record, plus `extra`."""
+    memory, profile = measured.profile.memory, measured.profile
     return RankOutcome(
         hostname=hostname(),
         step_times_s=measured.step_times_s,
         tracked_peak_bytes=memory.peak_bytes,
         breakdown_bytes=memory.breakdown_bytes,
-        counts=asdict(measured.profile.counts),
+        counts=asdict(profile.counts),
         largest_group_bytes=plan.largest_group_bytes,
         num_groups=plan.num_groups,
         num_params=sum(g.num_params for g in plan.groups),
-        setup_s=setup_s,
         warmup_s=measured.warmup_s,
         cuda_peak_allocated_bytes=measured.cuda_peak_allocated_bytes,
         cuda_peak_reserved_bytes=measured.cuda_peak_reserved_bytes,
-        allocated_at_start_bytes=allocated_at_start,
         num_alloc_retries=measured.num_alloc_retries,
         num_ooms=measured.num_ooms,
         device_used_bytes=measured.device_used_bytes,
         host_peak_bytes=memory.host_peak_bytes,
         device_index=device.index,
-        sdpa_backend=_sdpa_backend(run, device),
-        parity=parity,
-        load=[load_start, load_end],
+        breakdown=asdict(profile.breakdown) if profile.breakdown else None,
+        **extra,
     )
 
 
@@ -359,14 +370,6 @@ def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, 
     if report.dropout_off:
         scope += "; dropout off"
     return asdict(dataclasses.replace(report, scope=scope))
-
-
-def _sdpa_backend(run: RunConfig, device: torch.device) -> str | None:
-    """The attention kernel of a preset model in the run's compute dtype."""
-    if run.model.is_user_model:
-        return None
-    dtype = torch.bfloat16 if run.fsdp.mixed_precision == "bf16" else torch.float32
-    return attention_backend(run.model.shape, run.data.seq_len, dtype, device)
 
 
 def _already_recorded(run: RunConfig, context: JobContext) -> bool:

@@ -160,7 +160,7 @@ def simulate_step(run: RunConfig) -> MemoryReport:
             optimizer = build_optimizer(model, run)
             batches = rank_batches(run, 0, bundle.vocab_size, device)
             make_train_step(model, optimizer, batches, run)()
-            memory = profile_step(model, optimizer, batches, run).memory
+            memory = profile_step(model, optimizer, batches, run, break_down=False).memory
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
     if run.strategy == "ddp":

@@ -19,9 +19,9 @@ import yaml
 from fsdp_bench import study_storage
 from fsdp_bench.errors import FsdpBenchError, ResultsError
 from fsdp_bench.report import compare as comparing
+from fsdp_bench.report import figure_data, memory_figures, summaries, ties
 from fsdp_bench.report import figures as figs
 from fsdp_bench.report import html as html_report
-from fsdp_bench.report import memory_figures, summaries, ties
 from fsdp_bench.report import search_figures as study_figures
 from fsdp_bench.report import study as study_data
 from fsdp_bench.report import tables as report_tables
@@ -33,6 +33,7 @@ from fsdp_bench.report.configs import (
     one_per_configuration,
     varying,
 )
+from fsdp_bench.report.markdown import markdown_summary
 from fsdp_bench.store import load_results, write_atomic
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ def _measured_sections(
         memory_figures.memory_breakdown(df, canvas, budget),
         figs.collectives(df, canvas),
     ]
+    step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
     status = report_tables.status_table(summaries.status_counts(df))
     sections = [
@@ -224,6 +226,13 @@ def _measured_sections(
         ),
         html_report.Section("Runs by status", "", [("", status)], in_summary=True),
         html_report.Section("Throughput and memory", "", figures=list(drawn)),
+        html_report.Section(
+            "Where a step's time goes",
+            STEP_TEXT,
+            [("", report_tables.step_table(figure_data.step_phases(df)))],
+            [step_figure],
+            in_summary=True,
+        ),
         html_report.Section(
             "Effect of each axis",
             "tokens/s and peak memory relative to the axis's most common value, in runs equal "
@@ -240,7 +249,15 @@ def _measured_sections(
             [scaling_figure],
         ),
     ]
-    return sections, [*drawn, scaling_figure]
+    return sections, [*drawn, step_figure, scaling_figure]
+
+
+STEP_TEXT = (
+    "One profiled step per configuration (rank 0, untimed, under torch.profiler): forward, "
+    "backward and optimizer time, the time a collective was in flight (communication) and "
+    "the part of it no compute ran beside (exposed); hidden = 1 - exposed / communication. "
+    "On CPU + gloo almost nothing overlaps; on GPUs this is what grouping and prefetch hide."
+)
 
 
 def _budget_text(budget: float | None, margin: float) -> str:
@@ -349,43 +366,6 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
             f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
             f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
         )
-    return "\n".join(lines)
-
-
-def markdown_summary(
-    doc: html_report.Document,
-    best: pd.DataFrame,
-    effects: pd.DataFrame,
-    scaling: pd.DataFrame,
-    drawn: list[Figure],
-) -> str:
-    """The part of the report worth pasting: best configuration, the key tables, figures by
-    relative path, provenance in one line."""
-    md = report_tables.markdown
-    lines = [f"# {doc.title}", "", f"_{doc.subtitle}_", ""]
-    lines += [f"- **{line}**" for line in doc.headline.splitlines()] + [""]
-    lines += ["## Best configuration per world size", "", md(report_tables.best_table(best)), ""]
-    lines += ["## Effect of each axis (median ratio over matched runs)", ""]
-    lines += [md(report_tables.effects_table(effects)), ""]
-    if not scaling.empty:  # at the smallest world size every efficiency is 100% by definition
-        beyond = scaling[scaling["world_size"] > scaling["world_size"].min()]
-        lines += ["## Scaling efficiency", "", md(report_tables.scaling_table(beyond)), ""]
-    for section in [section for section in doc.sections if section.in_summary]:
-        lines += [f"## {section.title}", ""] + ([section.text, ""] if section.text else [])
-        lines += [md(t) for _, t in section.tables] + [""]
-    lines += ["## Figures", ""]
-    for figure in drawn:
-        if figure.paths:
-            lines.append(f"![{figure.title}]({figure.paths[0].name})")
-        else:
-            lines.append(f"- {figure.title}: not drawn ({figure.skipped})")
-    p = doc.provenance
-    lines += [
-        "",
-        f"Provenance: torch {p['torch version']}, {p['devices']}, hosts {p['hosts']}, "
-        f"runs {p['first run started']} to {p['last run finished']}, grid {p['grid file']}.",
-        "",
-    ]
     return "\n".join(lines)
 
 

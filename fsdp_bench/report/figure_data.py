@@ -184,3 +184,30 @@ def comparison_long(table: pd.DataFrame, names: tuple[str, str]) -> pd.DataFrame
         ],
         ignore_index=True,
     )
+
+
+PHASE_COLUMNS = {"forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s"}
+"""Each phase of the profiled step and its column in a results row."""
+
+
+def step_phases(df: pd.DataFrame) -> pd.DataFrame:
+    """Ok runs whose profiled step was broken down, by world size then step time: a row per
+    run (index: its label, "W=2: block"), milliseconds per phase, exposed and total
+    communication, and the share hidden."""
+    ok = ok_runs(df)
+    if ok.empty or "forward_s" not in ok:
+        return pd.DataFrame()
+    ok = ok[ok["forward_s"].notna()].sort_values(["world_size", "step_time_s"])
+    if ok.empty:
+        return pd.DataFrame()
+    labels = config_labels(ok, config_columns(ok, ["world_size"]))
+    index = [f"W={int(w)}: {text}" for w, text in zip(ok["world_size"], labels, strict=True)]
+    table = pd.DataFrame(
+        {phase: 1000 * ok[column].to_numpy() for phase, column in PHASE_COLUMNS.items()},
+        index=index,
+    )
+    table["communication"] = 1000 * ok["comm_s"].to_numpy()
+    table["exposed communication"] = 1000 * ok["exposed_comm_s"].to_numpy()
+    table["hidden %"] = ok["comm_hidden_pct"].to_numpy()
+    table["run_id"] = ok["run_id"].to_numpy()
+    return table

@@ -160,6 +160,37 @@ def scaling(df: pd.DataFrame, canvas: Canvas) -> Figure:
     return Figure(name, title, caption, save_figure(fig, canvas, name))
 
 
+def step_breakdown(df: pd.DataFrame, canvas: Canvas) -> Figure:
+    """Per configuration: the profiled step's forward, backward and optimizer time stacked,
+    and below each bar the communication no compute hid."""
+    name, title = "step_breakdown", "where a step's time goes, per configuration"
+    phases = data.step_phases(df)
+    if phases.empty:
+        return not_drawn(name, title, "no ok run recorded a profiled step's breakdown")
+    fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.42 * len(phases)))
+    positions = list(range(len(phases)))
+    left = pd.Series(0.0, index=phases.index)
+    colors = sns.color_palette("muted", len(data.PHASE_COLUMNS) + 1)
+    for phase, color in zip(data.PHASE_COLUMNS, colors, strict=False):
+        ax.barh(positions, phases[phase], left=left, color=color, height=0.5, label=phase)
+        left += phases[phase]
+    exposed = [p + 0.33 for p in positions]
+    ax.barh(exposed, phases["exposed communication"], color=colors[-1], height=0.16,
+            label="exposed communication")  # fmt: skip
+    ax.set_yticks(positions, list(phases.index), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds in the profiled step (rank 0)")
+    ax.set_title(f"{title}\n{canvas.subject}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    caption = (
+        "Stacked bar: forward, backward (all micro-batches) and optimizer time of one profiled "
+        "step under torch.profiler; thin bar: the time a collective was in flight with no "
+        "compute beside it. On CPU + gloo almost nothing overlaps; on GPUs the thin bar is "
+        "what prefetching and grouping did not hide."
+    )
+    return Figure(name, title, caption, save_figure(fig, canvas, name))
+
+
 def comparison(table: pd.DataFrame, canvas: Canvas, names: tuple[str, str]) -> Figure:
     """tokens/s and peak memory of the same configurations in two results folders, side by
     side, one bar per folder."""
@@ -202,6 +233,7 @@ FIGURES: dict[str, Callable[..., Figure]] = {
     "memory_vs_throughput": memory_vs_throughput,
     "memory_breakdown": memory_breakdown,
     "collectives": collectives,
+    "step_breakdown": step_breakdown,
     "scaling": scaling,
 }
 """The figures every results folder gets, in report order (a search adds those of

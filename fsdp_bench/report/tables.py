@@ -25,6 +25,8 @@ METRIC_COLUMNS = [
     "all_gathers_per_step",
     "reduce_scatters_per_step",
     "all_reduces_per_step",
+    "checkpoint_save_s",
+    "checkpoint_load_s",
     "parity_ok",
     "status",
 ]
@@ -50,6 +52,8 @@ HEADERS = {
     "tokens_per_s_ratio": "tokens/s ratio",
     "peak_memory_ratio": "peak memory ratio",
     "parity_ok": "parity",
+    "checkpoint_save_s": "ckpt-save-s",
+    "checkpoint_load_s": "ckpt-load-s",
     "micro_batch_size": "micro-batch",
     "reshard_after_forward": "reshard",
     "mixed_precision": "precision",
@@ -108,6 +112,8 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "all_gathers_per_step": _num("{:.0f}"),
     "reduce_scatters_per_step": _num("{:.0f}"),
     "all_reduces_per_step": _num("{:.0f}"),
+    "checkpoint_save_s": _num("{:.3f}"),
+    "checkpoint_load_s": _num("{:.3f}"),
 }
 """How each metric is printed; every other cell is spelled by `_cell`."""
 
@@ -270,3 +276,15 @@ def markdown(table: pd.DataFrame) -> str:
         "| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)
     ]
     return "\n".join(lines)
+
+
+def step_table(phases: pd.DataFrame) -> pd.DataFrame:
+    """`figure_data.step_phases` for people: milliseconds and the hidden share."""
+    if phases.empty:
+        return phases
+    shown_ = phases.drop(columns=["run_id"]).reset_index(names="configuration")
+    for column in shown_.columns[1:]:
+        pattern = "{:.0f}%" if column == "hidden %" else "{:.1f}"
+        shown_[column] = [_num(pattern)(v) for v in shown_[column]]
+    names = {c: f"{c} ms" for c in shown_.columns[1:-1]}
+    return shown_.rename(columns={**names, "hidden %": "hidden"})

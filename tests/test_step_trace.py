@@ -1,0 +1,101 @@
+"""Where a step's time goes (`step_trace`, `intervals`): the decomposition on hand-built
+timelines, and on real profiled steps of a two-rank gloo job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_bench.job.intervals import length, uncovered, union
+from fsdp_bench.job.step_trace import MARK_PREFIX, TimelineEvent, breakdown
+from fsdp_bench.report import figure_data, tables
+from tests.conftest import sweep, tiny_grid
+
+MAIN, GLOO = 1, 2
+
+
+def test_intervals_merge_and_subtract() -> None:
+    assert union([(0, 1), (0.5, 2), (3, 4), (4, 5), (6, 6)]) == [(0, 2), (3, 5)]
+    assert length([(0, 1), (0.5, 2)]) == 2
+    assert uncovered([(0, 10)], [(2, 3), (5, 7)]) == 7
+    assert uncovered([(0, 10)], []) == 10 and uncovered([(0, 10)], [(-1, 11)]) == 0
+    assert uncovered([(0, 2), (4, 6)], [(1, 1.5), (1.8, 4.5), (5, 5.5)]) == pytest.approx(2.3)
+
+
+def _cpu(name: str, start: float, end: float, thread: int = MAIN) -> TimelineEvent:
+    return TimelineEvent(name, start, end, thread, on_device=False)
+
+
+def test_cpu_breakdown_counts_what_the_main_thread_did_not_cover() -> None:
+    """An all-gather before any compute (exposed whole), one under the forward's matmul
+    (hidden), a reduce-scatter half under the backward's."""
+    events = [
+        _cpu(MARK_PREFIX + "forward", 0, 400),
+        _cpu("gloo:all_gather", 0, 100, GLOO),
+        _cpu("aten::mm", 100, 300),
+        _cpu("gloo:all_gather", 150, 250, GLOO),
+        _cpu(MARK_PREFIX + "backward", 400, 900),
+        _cpu("aten::mm", 400, 800),
+        _cpu("gloo:reduce_scatter", 700, 900, GLOO),
+        _cpu(MARK_PREFIX + "optimizer", 900, 1000),
+        _cpu("aten::_foreach_add_", 900, 1000, GLOO),  # another thread: not main's compute
+    ]
+    found = breakdown(events, on_cuda=False)
+    assert (found.forward_s, found.backward_s, found.optimizer_s) == (400e-6, 500e-6, 100e-6)
+    assert found.step_s == pytest.approx(1000e-6)
+    assert found.comm_s == pytest.approx(400e-6)
+    assert found.exposed_comm_s == pytest.approx(200e-6)
+    assert found.comm_hidden_pct == pytest.approx(50.0)
+    assert found.all_gather_s == [100e-6, 100e-6] and found.all_gather_exposed_s == [100e-6, 0.0]
+
+
+def test_cuda_breakdown_reads_nccl_kernels_against_other_kernels() -> None:
+    def kernel(name: str, start: float, end: float) -> TimelineEvent:
+        return TimelineEvent(name, start, end, thread=7, on_device=True)
+
+    events = [
+        _cpu(MARK_PREFIX + "forward", 0, 50),  # the CPU side runs ahead of the device
+        kernel(MARK_PREFIX + "forward", 10, 300),
+        kernel("ncclDevKernel_AllGather_RING_LL", 10, 110),
+        kernel("ampere_sgemm_128x64_tn", 60, 300),
+        _cpu("nccl:all_gather", 5, 8),  # the launch, not the transfer
+    ]
+    found = breakdown(events, on_cuda=True)
+    assert found.forward_s == pytest.approx(290e-6), "the device-side range"
+    assert found.comm_s == pytest.approx(100e-6) and found.exposed_comm_s == pytest.approx(50e-6)
+    assert found.all_gather_exposed_s == [pytest.approx(50e-6)]
+    assert breakdown([], on_cuda=False).comm_hidden_pct is None
+
+
+@pytest.mark.slow
+def test_a_two_rank_step_is_broken_down_and_its_trace_kept(tmp_path: Path) -> None:
+    measure = {"warmup_steps": 2, "timed_steps": 2, "repeats": 1, "trace": True}
+    axes = {"fsdp.grouping": ["root", "block"]}
+    _, df = sweep(tmp_path, tiny_grid("trace", axes, measure=measure))
+    assert set(df["status"]) == {"ok"}, df[["run_id", "reason"]]
+    for _, run in df.iterrows():
+        phases = run["forward_s"] + run["backward_s"] + run["optimizer_s"]
+        assert 0.9 * run["profiled_step_s"] <= phases <= run["profiled_step_s"] * 1.0001
+        assert 0 < run["exposed_comm_s"] <= run["comm_s"] * 1.0001
+        assert len(run["all_gather_group_gb_s"]) == run["all_gathers_per_step"]
+        assert all(gb_s > 0 for gb_s in run["all_gather_group_gb_s"])
+        for rank in (0, 1):
+            trace = tmp_path / "results" / "traces" / run["run_id"] / f"rank{rank}.json"
+            names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+            assert {MARK_PREFIX + p for p in ("forward", "backward", "optimizer")} <= names
+    root = df[df["grouping"] == "root"].iloc[0]
+    first_s, first_exposed_s = root["all_gather_s"][0], root["all_gather_exposed_s"][0]
+    assert first_exposed_s == pytest.approx(first_s, rel=0.1), "nothing to hide it behind"
+    shown = tables.step_table(figure_data.step_phases(df))
+    assert list(shown.columns) == [
+        "configuration",
+        "forward ms",
+        "backward ms",
+        "optimizer ms",
+        "communication ms",
+        "exposed communication ms",
+        "hidden",
+    ]
+    assert len(shown) == 2 and all(cell.endswith("%") for cell in shown["hidden"])
