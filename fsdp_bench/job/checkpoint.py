@@ -128,7 +128,8 @@ def measure_checkpoint(
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     state = _state(model, optimizer)
-    saved = [t.detach().clone() for t in _local_tensors(state)] if verify else []
+    # Host copies: a second copy of the state on the device could be what runs out of memory.
+    saved = [t.detach().to("cpu", copy=True) for t in _local_tensors(state)] if verify else []
     save_s = _timed(device, lambda: dcp.save(state, checkpoint_id=str(folder)))
     num_bytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if rank == 0 else 0
     if verify:
@@ -148,7 +149,7 @@ def measure_checkpoint(
     if verify:
         restored = _local_tensors(_state(model, optimizer))
         same = len(restored) == len(saved) and all(
-            torch.equal(a, b) for a, b in zip(restored, saved, strict=True)
+            torch.equal(a.cpu(), b) for a, b in zip(restored, saved, strict=True)
         )
         cost.restore_ok = _all_ranks(same, device)
         cost.reshard_ok, cost.detail = _reshard_to_one(model, folder, device)

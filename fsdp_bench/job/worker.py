@@ -302,9 +302,11 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     load_end = sample("end", context.info.local_rank, pids, gpu)
     saved = None
     if run.measure.checkpoint and first_pass:
-        saved = checkpoint_cost(
-            run, model, optimizer, context.store.root, device, verify=context.verify
-        )
+        if context.watchdog is not None:  # save, load and checks: three collectives' worth
+            context.watchdog.arm("the checkpoint", 3 * context.collective_timeout_s + GRACE_S)
+        saved = checkpoint_cost(run, model, optimizer, context.store.root, device, context.verify)
+        if context.watchdog is not None:
+            context.watchdog.disarm()
     return _outcome(
         measured,
         plan,
