@@ -1,8 +1,9 @@
 """Every axis of a grid changes what runs: shown by exact collective counts and tracked memory.
 
-One real sweep (gloo, two processes on loopback) covers the axes; the assertions are the
-FSDP2 facts of seed 000: one all-gather per group unshard, one reduce-scatter per group
-reduction, resharding after forward costs one more all-gather per group in backward.
+One real sweep (the quickstart's: gloo, two processes on loopback) covers the axes; the
+assertions are the FSDP2 facts of seed 000: one all-gather per group unshard, one
+reduce-scatter per group reduction, resharding after forward costs one more all-gather per
+group in backward.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from fsdp_bench import load_results
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow
@@ -20,26 +22,12 @@ GROUPS = {"root": 1, "block": 5, "blocks:2": 3, "linear": 30}  # tiny: 4 blocks 
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    folder = tmp_path_factory.mktemp("axes")
-    grid = tiny_grid(
-        "axes",
-        [
-            {
-                "fsdp.grouping": list(GROUPS),
-                "fsdp.reshard_after_forward": ["default", True, False],
-            },
-            {"fsdp.prefetch": [1, 2]},
-            {"train.accumulation_steps": [2], "train.grad_sync": ["every", "last"]},
-            {"fsdp.mixed_precision": ["bf16"]},
-            {"fsdp.activation_checkpointing": ["block"]},
-            {"fsdp.cpu_offload": [True]},
-            {"world_size": [1]},
-            {"strategy": ["ddp"], "train.accumulation_steps": [1, 2], "train.grad_sync": ["last"]},
-        ],
-    )
-    outcome, df = sweep(folder, grid)
-    assert outcome.statuses == {"ok": len(df)}, df[["run_id", "status", "reason"]]
+def table(quickstart_sweep: tuple[Path, object]) -> pd.DataFrame:
+    """The quickstart's own sweep, run once per session (`conftest.quickstart_sweep`): every
+    axis this module checks is in it (grouping x reshard at world sizes 1 and 2, then one
+    knob at a time against block grouping at 2, and the DDP baseline)."""
+    df = load_results(quickstart_sweep[0])
+    assert set(df["status"]) == {"ok"}, df[["run_id", "status", "reason"]]
     return df
 
 
@@ -150,9 +138,12 @@ def test_world_size_one_needs_no_collectives(table: pd.DataFrame) -> None:
     assert one(table).all_gathers_per_step > 0
 
 
-def test_ddp_all_reduces_instead(table: pd.DataFrame) -> None:
-    ddp = one(table, strategy="ddp", grad_sync="last")
-    ddp_accum = one(table, strategy="ddp", accumulation_steps=2, grad_sync="last")
+def test_ddp_all_reduces_instead(tmp_path: Path) -> None:
+    grid = tiny_grid("ddp", {"train.accumulation_steps": [1, 2]}, strategy="ddp",
+                     train={"grad_sync": "last"})  # fmt: skip
+    _, runs = sweep(tmp_path, grid)
+    ddp = one(runs, strategy="ddp", grad_sync="last")
+    ddp_accum = one(runs, strategy="ddp", accumulation_steps=2, grad_sync="last")
     assert ddp.all_gathers_per_step == 0 and ddp.reduce_scatters_per_step == 0
     assert ddp.all_reduces_per_step >= 1
     # no_sync on the first micro-batch: the same all-reduces for twice the tokens
@@ -164,7 +155,8 @@ def test_ddp_all_reduces_instead(table: pd.DataFrame) -> None:
 
 def test_throughput_and_provenance_columns(table: pd.DataFrame) -> None:
     row = one(table)
-    assert row.tokens_per_s == pytest.approx(2 * 1 * 128 / row.step_time_s)
+    tokens_per_step = row.world_size * row.micro_batch_size * row.seq_len
+    assert row.tokens_per_s == pytest.approx(tokens_per_step / row.step_time_s)
     assert row.tokens_per_s_per_rank == pytest.approx(row.tokens_per_s / 2)
     assert row.peak_memory_gib == row.tracked_peak_gib
     assert row.backend == "gloo" and row.device == "cpu"

@@ -61,13 +61,13 @@ def noise_text(df: pd.DataFrame) -> str:
     found = noise(df[df["status"].eq("ok")]) if "status" in df else None
     if found is None:
         return (
-            "not measured (fewer than 4 passes beyond each run's first: measure.rounds 1); "
-            "ties allow only for the noise between one run's steps"
+            "not measured (it needs 4 passes beyond each run's first, over all runs: "
+            "measure.rounds 2 or more); ties allow only for the noise between one run's steps"
         )
     return (
-        f"{found.pct:.1f}% from one pass to the next (pooled over {found.runs} runs, "
-        f"{found.df} degrees of freedom); runs closer than a 95% t-test on their passes can "
-        "tell are tied"
+        f"{found.pct:.1f}% per pass, standard deviation (pooled over {found.runs} runs, "
+        f"{found.df} degrees of freedom); runs a 95% t-test on their passes cannot tell apart "
+        "are tied"
     )
 
 
