@@ -33,7 +33,7 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
-from fsdp_bench.job.timing import synchronize
+from fsdp_bench.job.training import synchronize
 from fsdp_bench.job.worker import JobContext, execute_run
 from fsdp_bench.store import ResultStore
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from torch import nn
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import one_line
-from fsdp_bench.job.timing import synchronize
+from fsdp_bench.job.training import synchronize
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _local_tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _timed(device: torch.device, action: Any) -> float:
+def _timed(device: torch.device, action: Callable[[], object]) -> float:
     dist.barrier()
     synchronize(device)
     start = time.perf_counter()

@@ -149,19 +149,14 @@ def profile_step(
     counter = CollectiveCounter()
     with tracker, counter:
         step()
-    device = batches[0][0].device
-    memory = _snapshot(tracker, device.type)
+    memory = _snapshot(tracker, batches[0][0].device.type)
     if isinstance(model, DistributedDataParallel):
         add_ddp_buckets(memory, model)
-
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     if not break_down:
         return StepProfile(counter.counts, memory)
-    timed = trace_step(model, optimizer, batches, run, synchronize, trace_path)
-    return StepProfile(counter.counts, memory, timed)
+    return StepProfile(
+        counter.counts, memory, trace_step(model, optimizer, batches, run, trace_path)
+    )
 
 
 def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:

@@ -26,6 +26,7 @@ from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.load import LoadSample, record_fields
 from fsdp_bench.job.rendezvous import RankInfo
+from fsdp_bench.job.step_trace import StepBreakdown
 from fsdp_bench.job.training import fp32_matmul_precision
 from fsdp_bench.stats import TimeSummary, summarize_times
 from fsdp_bench.store import GIB, EstimatedPeaks, Flops, RunResult, now_iso
@@ -251,28 +252,27 @@ def _collectives(first: RankOutcome) -> dict[str, Any]:
 def _breakdown(first: RankOutcome) -> dict[str, Any]:
     """Rank 0's profiled step: phases, communication, and the all-gathers' achieved
     bandwidth (output bytes over duration, each and together)."""
-    found = first.breakdown
-    if not found:
+    if not first.breakdown:
         return {}
+    found = StepBreakdown(**first.breakdown)
     sizes: list[int] = first.counts.get("all_gather_sizes_bytes", [])
-    times: list[float] = found["all_gather_s"]
+    times = found.all_gather_s
     together_s = sum(times)
     per_group = None
     if len(sizes) == len(times) and all(t > 0 for t in times):
         per_group = [size / t / 1e9 for size, t in zip(sizes, times, strict=True)]
-    comm_s, exposed_s = found["comm_s"], found["exposed_comm_s"]
     return {
-        "profiled_step_s": found["step_s"],
-        "forward_s": found["forward_s"],
-        "backward_s": found["backward_s"],
-        "optimizer_s": found["optimizer_s"],
-        "comm_s": comm_s,
-        "exposed_comm_s": exposed_s,
-        "comm_hidden_pct": 100.0 * (1 - exposed_s / comm_s) if comm_s > 0 else None,
+        "profiled_step_s": found.step_s,
+        "forward_s": found.forward_s,
+        "backward_s": found.backward_s,
+        "optimizer_s": found.optimizer_s,
+        "comm_s": found.comm_s,
+        "exposed_comm_s": found.exposed_comm_s,
+        "comm_hidden_pct": found.comm_hidden_pct,
         "all_gather_gb_s": sum(sizes) / together_s / 1e9 if sizes and together_s > 0 else None,
         "all_gather_group_gb_s": per_group,
         "all_gather_s": times,
-        "all_gather_exposed_s": found["all_gather_exposed_s"],
+        "all_gather_exposed_s": found.all_gather_exposed_s,
     }
 
 

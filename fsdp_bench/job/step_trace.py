@@ -14,8 +14,8 @@ section 05: the fraction of communication hidden by compute).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.intervals import Interval, length, uncovered, union
-from fsdp_bench.job.training import Batch, make_train_step
+from fsdp_bench.job.training import Batch, make_train_step, synchronize
 
 PHASES = ("forward", "backward", "optimizer")
 MARK_PREFIX = "fsdp_bench."
@@ -65,9 +65,6 @@ class StepBreakdown:
         if self.comm_s <= 0:
             return None
         return 100.0 * (1 - self.exposed_comm_s / self.comm_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _marked(events: Iterable[TimelineEvent], phase: str, on_device: bool) -> list[Interval]:
@@ -166,20 +163,20 @@ def trace_step(
     optimizer: torch.optim.Optimizer,
     batches: list[Batch],
     run: RunConfig,
-    synchronize: Callable[[], None],
     trace_path: Path | None = None,
 ) -> StepBreakdown:
     """One untimed step under the profiler, its phases marked; the trace written to
     `trace_path` (Chrome trace format, opens in Perfetto) when given."""
     from torch.profiler import ProfilerActivity, profile
 
-    on_cuda = batches[0][0].device.type == "cuda"
+    device = batches[0][0].device
+    on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     step = make_train_step(model, optimizer, batches, run, mark=_mark)
-    synchronize()
+    synchronize(device)
     with profile(activities=activities) as profiler:
         step()
-        synchronize()
+        synchronize(device)
     if trace_path is not None:
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace_path))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.measure import StepProfile
+from fsdp_bench.job.training import synchronize
 from fsdp_bench.job.watchdog import Watchdog
 from fsdp_bench.stats import within_target
 
@@ -230,8 +231,3 @@ def slowest_over_ranks(step_times_s: list[float], device: torch.device) -> list[
     tensor = torch.tensor(step_times_s, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [float(t) for t in tensor.tolist()]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

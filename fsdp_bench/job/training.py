@@ -52,6 +52,12 @@ def loss_fn(output: object, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_of(output).flatten(0, 1).float(), targets.flatten())
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has run everything queued (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def set_fp32_matmul(run: RunConfig, device: torch.device) -> None:
     """TF32 or full fp32 matmuls on CUDA, as the run asks. Through the one public setting,
     `torch.set_float32_matmul_precision`, which torch >= 2.9 maps onto its per-backend
@@ -110,27 +116,27 @@ def forward_backward(
             with torch.autocast(device_type, dtype=autocast):
                 return plain_loss(inputs, targets)
 
+    def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        (loss_of(inputs, targets) / count).backward()
+
+    def marked_micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        assert mark is not None
+        with mark("forward"):
+            loss = loss_of(inputs, targets) / count
+        with mark("backward"):
+            loss.backward()
+
+    one = micro_batch if mark is None else marked_micro_batch
+
     def run_micro_batches() -> None:
         for index, (inputs, targets) in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch()
             if sync_last_only:
                 _set_gradient_sync(model, index == count - 1)
-            (loss_of(inputs, targets) / count).backward()
+            one(inputs, targets)
 
-    def run_marked_micro_batches() -> None:
-        assert mark is not None
-        for index, (inputs, targets) in enumerate(batches):
-            if before_micro_batch is not None:
-                before_micro_batch()
-            if sync_last_only:
-                _set_gradient_sync(model, index == count - 1)
-            with mark("forward"):
-                loss = loss_of(inputs, targets) / count
-            with mark("backward"):
-                loss.backward()
-
-    return run_micro_batches if mark is None else run_marked_micro_batches
+    return run_micro_batches
 
 
 def autocast_dtype(run: RunConfig) -> torch.dtype | None:

@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
+import pandas as pd
+import seaborn as sns
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -76,3 +78,15 @@ def save_figure(fig: MplFigure, canvas: Canvas, name: str) -> list[Path]:
 def not_drawn(name: str, title: str, reason: str) -> Figure:
     log.info("figure %s not drawn: %s", name, reason)
     return Figure(name=name, title=title, caption="", skipped=reason)
+
+
+def stack_bars(ax: Axes, parts: pd.DataFrame, positions: list[int], height: float) -> pd.Series:
+    """One stacked horizontal bar per row of `parts` at `positions`, a colour and a legend
+    entry per column (underscores as spaces); returns where each bar ends."""
+    left = pd.Series(0.0, index=parts.index)
+    colors = sns.color_palette("muted", len(parts.columns))
+    for column, color in zip(parts.columns, colors, strict=True):
+        label = str(column).replace("_", " ")
+        ax.barh(positions, parts[column], left=left, color=color, height=height, label=label)
+        left += parts[column]
+    return left

@@ -16,7 +16,14 @@ import seaborn as sns
 
 from fsdp_bench.report import figure_data as data
 from fsdp_bench.report import summaries
-from fsdp_bench.report.canvas import Canvas, Figure, not_drawn, save_figure, thousands
+from fsdp_bench.report.canvas import (
+    Canvas,
+    Figure,
+    not_drawn,
+    save_figure,
+    stack_bars,
+    thousands,
+)
 from fsdp_bench.report.configs import ok_runs
 from fsdp_bench.report.memory_figures import memory_breakdown, memory_vs_throughput
 
@@ -169,13 +176,9 @@ def step_breakdown(df: pd.DataFrame, canvas: Canvas) -> Figure:
         return not_drawn(name, title, "no ok run recorded a profiled step's breakdown")
     fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.42 * len(phases)))
     positions = list(range(len(phases)))
-    left = pd.Series(0.0, index=phases.index)
-    colors = sns.color_palette("muted", len(data.PHASE_COLUMNS) + 1)
-    for phase, color in zip(data.PHASE_COLUMNS, colors, strict=False):
-        ax.barh(positions, phases[phase], left=left, color=color, height=0.5, label=phase)
-        left += phases[phase]
+    stack_bars(ax, phases[list(data.PHASE_COLUMNS)], positions, height=0.5)
     exposed = [p + 0.33 for p in positions]
-    ax.barh(exposed, phases["exposed communication"], color=colors[-1], height=0.16,
+    ax.barh(exposed, phases["exposed communication"], color="0.35", height=0.16,
             label="exposed communication")  # fmt: skip
     ax.set_yticks(positions, list(phases.index), fontsize=8)
     ax.invert_yaxis()

@@ -17,6 +17,7 @@ from fsdp_bench.report.canvas import (
     draw_budget,
     not_drawn,
     save_figure,
+    stack_bars,
     thousands,
 )
 
@@ -122,7 +123,7 @@ def memory_breakdown(df: pd.DataFrame, canvas: Canvas, budget_gib: float | None)
     parts = data.memory_parts(runs)
     fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.32 * len(parts)))
     positions = list(range(len(parts)))
-    totals = _stack_parts(ax, parts, positions)
+    totals = stack_bars(ax, parts, positions, height=0.7)
     estimated = _mark_peaks(ax, runs, positions)
     if budget_gib is not None:
         draw_budget(ax, budget_gib)
@@ -139,23 +140,6 @@ def memory_breakdown(df: pd.DataFrame, canvas: Canvas, budget_gib: float | None)
         "common configuration."
     )
     return Figure(name, title, caption, save_figure(fig, canvas, name))
-
-
-def _stack_parts(ax: Axes, parts: pd.DataFrame, positions: list[int]) -> pd.Series:
-    """One stacked horizontal bar per run, a colour per category; returns the bars' ends."""
-    left = pd.Series(0.0, index=parts.index)
-    colors = sns.color_palette("muted", len(parts.columns))
-    for column, color in zip(parts.columns, colors, strict=True):
-        ax.barh(
-            positions,
-            parts[column],
-            left=left,
-            color=color,
-            height=0.7,
-            label=column.replace("_", " "),
-        )
-        left += parts[column]
-    return left
 
 
 def _mark_peaks(ax: Axes, runs: pd.DataFrame, positions: list[int]) -> pd.Series | None:

@@ -58,7 +58,7 @@ def marks(df: pd.DataFrame) -> pd.Series:
 
 def noise_text(df: pd.DataFrame) -> str:
     """One line on the between-pass noise the ties allow for, or why there is none."""
-    found = noise(df[df["status"].eq("ok")]) if "status" in df else None
+    found = noise(df)
     if found is None:
         return (
             "not measured (it needs 4 passes beyond each run's first, over all runs: "
