@@ -25,11 +25,12 @@ lint: install
 	$(BIN)/mypy
 
 # Command 2 of the README: install everything (Python packages, and munge + Slurm from
-# Debian packages for the testbed the Slurm tests start, chromium for the HTML report test),
-# lint, type-check, run every test.
+# Debian packages for the testbed the Slurm tests start, chromium for the HTML report test,
+# g++ for inductor's CPU code in the train.compile tests), lint, type-check, run every test.
 test: lint
 	slurm/testbed/install.sh
 	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+	command -v g++ >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++; }
 	$(BIN)/python -m pytest
 
 # The edit loop's lane (under 3 minutes): lint, type-check, and the tests that need neither

@@ -24,6 +24,7 @@ recorded even when it fails, with its wall time:
   communication, root against block grouping, at world size 1 (nothing to expose) and, with
   two GPUs or more (or on CPU), at world size 2; on the same runs, Distributed Checkpoint
   save and load times with the restore checked at the same world size and at world size 1;
+- eager against `train.compile: block` for one shape: tokens/s, compile_s, parity;
 - with two GPUs or more: world size 2 with FSDP and HSDP, an injected hang recorded `timeout`,
   and which device each rank used.
 On CPU (--device cpu) the same parts run on the tiny preset, and the CUDA-only figures
@@ -245,6 +246,29 @@ def step_breakdown(check: Check) -> dict[str, Any]:
     return {"runs": found, "world_size_1_exposed_comm_s": one_rank}
 
 
+COMPILE_COLUMNS = [
+    "run_id", "status", "compile", "tokens_per_s", "step_time_s", "step_time_spread_pct",
+    "compile_s", "warmup_s", "peak_memory_gib", "tracked_peak_gib", "estimated_peak_gib",
+    "parity_ok", "parity_grad_max_abs_diff", "reason",
+]  # fmt: skip
+
+
+def compiled(check: Check) -> dict[str, Any]:
+    """Eager against torch.compile per block for one shape at world size 1, parity checked."""
+    base = {
+        "model": {"name": "llama3-1b" if check.on_gpu else "tiny"},
+        "data": {"micro_batch_size": 1, "seq_len": 1024 if check.on_gpu else 128},
+        "fsdp": {"mixed_precision": "bf16" if check.on_gpu else "fp32"},
+        "measure": MEASURE,
+    }
+    df = sweep(check, "compile", base, {"train.compile": ["none", "block"]}, verify=True)
+    found = [{k: _plain(v) for k, v in r.items()} for r in
+             df.reindex(columns=COMPILE_COLUMNS).to_dict(orient="records")]  # fmt: skip
+    speed = {r["compile"]: r["tokens_per_s"] for r in found if r["status"] == "ok"}
+    ratio = speed["block"] / speed["none"] if {"none", "block"} <= speed.keys() else None
+    return {"runs": found, "compiled_over_eager_tokens_per_s": ratio}
+
+
 def timer(check: Check) -> dict[str, Any]:
     """perf_counter + synchronize against CUDA events over the same steps (one GPU)."""
     if not check.on_gpu:
@@ -324,6 +348,7 @@ PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("harness", harness),
     ("timer", timer),
     ("step_breakdown", step_breakdown),
+    ("compile", compiled),
     ("multi_gpu", multi_gpu),
 ]
 

@@ -33,5 +33,9 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> Non
     assert {(r["world_size"], r["status"]) for r in breakdown} == {(1, "ok"), (2, "ok")}
     assert all(r["checkpoint_restore_ok"] and r["checkpoint_reshard_ok"] for r in breakdown)
     assert all(s == 0 for s in parts["step_breakdown"]["world_size_1_exposed_comm_s"])
+    compile_runs = parts["compile"]["runs"]
+    assert [(r["compile"], r["status"], r["parity_ok"]) for r in compile_runs] == [
+        ("none", "ok", True), ("block", "ok", True)]  # fmt: skip
+    assert parts["compile"]["compiled_over_eager_tokens_per_s"] > 0
     text = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}" in text for name in parts)

@@ -128,11 +128,13 @@ def test_two_node_run_matches_local_columns_and_parity(
     assert set(metrics) <= set(slurm_df.columns[slurm_df.notna().all()])
 
 
-def test_array_and_in_flight_limit(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+def test_arrays_keep_the_in_flight_limit_and_split_at_max_array_size(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
     grid = slurm_grid(
         "array",
         {"data.seed": list(range(6))},
-        launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1},
+        launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1, "max_array_size": 2},
         measure={"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
     )
     watcher = QueueWatcher()
@@ -144,24 +146,13 @@ def test_array_and_in_flight_limit(slurm_cluster: dict[str, str], tmp_path: Path
     assert outcome.statuses == {"ok": 6}
     assert watcher.samples > 10 and 1 <= watcher.most <= 2
     job_ids = [e["job_id"] for e in ledger(tmp_path / "results")]
-    arrays = {j.split("_")[0] for j in job_ids if "_" in j}
-    assert len(job_ids) == 6 and arrays, f"packs went out as job arrays: {job_ids}"
-    assert set(started_counts(tmp_path / "results").values()) == {1}
-
-
-def test_arrays_split_at_max_array_size(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
-    grid = slurm_grid(
-        "split",
-        {"data.seed": list(range(5))},
-        launcher={"max_runs_per_job": 1, "max_array_size": 2, "max_jobs_in_flight": 5},
-    )
-    outcome, _ = sweep(tmp_path, grid)
-    assert outcome.statuses == {"ok": 5}
     tasks_per_array: dict[str, int] = {}
-    for entry in ledger(tmp_path / "results"):
-        array = entry["job_id"].split("_")[0]
+    for job_id in job_ids:
+        array = job_id.split("_")[0]
         tasks_per_array[array] = tasks_per_array.get(array, 0) + 1
-    assert sorted(tasks_per_array.values()) == [1, 2, 2]
+    assert len(job_ids) == 6 and any("_" in j for j in job_ids), f"no job arrays: {job_ids}"
+    assert max(tasks_per_array.values()) == 2, tasks_per_array
+    assert set(started_counts(tmp_path / "results").values()) == {1}
 
 
 def test_scancel_is_recorded_cancelled_and_the_rest_finish(

@@ -172,6 +172,11 @@ class TrainConfig:
     """How fp32 matmuls run on CUDA: ieee (full fp32, PyTorch's own default since 1.12, and
     what the parity tolerances assume) or tf32 (tensor cores, 10-bit mantissa: much faster on
     Ampere and later). bf16 runs are not affected. CPU runs ignore it."""
+    compile: Literal["none", "block", "model"] = "none"
+    """torch.compile (inductor): none (eager), block (each transformer block, applied after
+    activation checkpointing and before fully_shard, as torchtitan does) or model (the whole
+    model; FSDP2's hooks run eagerly between the compiled pieces). Warm-up pays the
+    compilation; the record keeps it as compile_s."""
 
     def __post_init__(self) -> None:
         at_least(self, "accumulation_steps", 1)

@@ -77,12 +77,21 @@ def note_failure(inflight: Path, info: RankInfo, err: BaseException, **extra: ob
         "hostname": hostname(),
         "class": classify(err),
         "type": type(err).__name__,
-        "message": _tail(traceback.format_exception_only(type(err), err)),
+        "message": _compiler_named(err) + _tail(traceback.format_exception_only(type(err), err)),
         "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
         "at": now_iso(),
         **extra,
     }
     write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
+
+
+def _compiler_named(err: BaseException) -> str:
+    """A prefix saying that torch.compile failed (dynamo tracing or the inductor backend,
+    e.g. no working C++ compiler on the host), not the configuration's own training."""
+    module = type(err).__module__
+    return (
+        "torch.compile failed: " if module.startswith(("torch._dynamo", "torch._inductor")) else ""
+    )
 
 
 def fail(inflight: Path, info: RankInfo, err: BaseException, **extra: object) -> NoReturn:

@@ -59,7 +59,7 @@ def parallelize(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
-    model, plan = wrap_on_meta(bundle, run, mesh, device)
+    model, plan = wrap_on_meta(bundle, run, mesh, device, compile_modules=True)
     materialize(model, device)
     initialize(bundle, model)
     if run.strategy == "ddp":
@@ -76,12 +76,19 @@ def parallelize(
 
 
 def wrap_on_meta(
-    bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
+    bundle: ModelBundle,
+    run: RunConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    compile_modules: bool = False,
 ) -> tuple[nn.Module, ShardPlan]:
-    """Activation checkpointing and fully_shard, still on the meta device (no memory yet)."""
+    """Activation checkpointing, torch.compile (`compile_modules`; the memory simulation
+    runs eager) and fully_shard, still on the meta device (no memory yet)."""
     if run.fsdp.activation_checkpointing == "block":
         bundle = _checkpoint_blocks(bundle)
     model = bundle.module
+    if compile_modules:
+        _compile(bundle, run.train.compile)
     match run.strategy:
         case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
             plan = plan_groups(bundle, str(run.fsdp.grouping))
@@ -244,6 +251,25 @@ def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
             module.set_modules_to_forward_prefetch(following)
         if preceding:
             module.set_modules_to_backward_prefetch(preceding)
+
+
+def _compile(bundle: ModelBundle, scope: str) -> None:
+    """In place (`Module.compile`), so the modules keep their names and identities for the
+    fully_shard groups; compilation itself happens in the first step.
+
+    Dynamo's caches are cleared first: runs of one job share a process, and a run would
+    otherwise reuse an earlier run's graphs (its compile cost unmeasured). Blocks share one
+    code object, and a block that guards on its own index (transformers' `layer_idx`) is
+    compiled once per block: the recompile limit is raised to allow every block, and hitting
+    it is an error, never dynamo's silent fallback to eager for the remaining blocks."""
+    modules = {"none": [], "block": bundle.blocks, "model": [bundle.module]}[scope]
+    if not modules:
+        return
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = max(8, len(bundle.blocks) + 8)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    for module in modules:
+        module.compile()
 
 
 def _checkpoint_blocks(bundle: ModelBundle) -> ModelBundle:

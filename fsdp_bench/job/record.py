@@ -49,6 +49,7 @@ class RankOutcome:
     num_params: int
     setup_s: float
     warmup_s: float
+    compile_s: float | None = None
     cuda_peak_allocated_bytes: int | None = None
     cuda_peak_reserved_bytes: int | None = None
     allocated_at_start_bytes: int | None = None
@@ -95,6 +96,7 @@ def pool_passes(passes: list[RankOutcome]) -> RankOutcome:
         host_peak_bytes=max(p.host_peak_bytes for p in passes),
         setup_s=max(p.setup_s for p in passes),
         warmup_s=max(p.warmup_s for p in passes),
+        compile_s=passes[0].compile_s,  # later passes may find inductor's cache warm
         cuda_peak_allocated_bytes=worst("cuda_peak_allocated_bytes"),
         cuda_peak_reserved_bytes=worst("cuda_peak_reserved_bytes"),
         allocated_at_start_bytes=worst("allocated_at_start_bytes"),
@@ -151,6 +153,7 @@ def build_result(
         **record_fields([s for o in ranks for s in o.load]),
         setup_s=max(o.setup_s for o in ranks),
         warmup_s=max(o.warmup_s for o in ranks),
+        compile_s=max((o.compile_s for o in ranks if o.compile_s is not None), default=None),
         wall_s=where.wall_s,
         provenance=about,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ class StepMeasurements:
     """What the measurement protocol gives back for one rank of one run."""
 
     warmup_s: float
+    first_step_s: float
+    """The first warm-up step alone (compilation happens in it, `train.compile`)."""
     step_times_s: list[float]
     """This rank's seconds of every timed optimizer step, repeat after repeat."""
     profile: StepProfile
@@ -69,7 +72,7 @@ def measure_steps(
     timeout_s += GRACE_S
     settled = 2 if run.strategy == "ddp" else 1
     profile_first = run.measure.warmup_steps > settled
-    warmup_s, slowest_s = _warm_up(
+    warmup_s, first_s, slowest_s = _warm_up(
         step, run.measure.warmup_steps - profile_first, device, arm, timeout_s
     )
     arm("the profiled step", timeout_s)
@@ -94,6 +97,7 @@ def measure_steps(
         watchdog.disarm()
     return StepMeasurements(
         warmup_s,
+        first_s,
         step_times,
         profiled,
         allocated,
@@ -104,23 +108,33 @@ def measure_steps(
     )
 
 
+def compile_time_s(run: RunConfig, measured: StepMeasurements) -> float | None:
+    """What compilation added to the first warm-up step: its time less the median timed
+    step's (None for an eager run). Includes what a first step costs in eager as well
+    (optimizer state, allocator growth): small beside inductor's seconds."""
+    if run.train.compile == "none":
+        return None
+    return max(0.0, measured.first_step_s - statistics.median(measured.step_times_s))
+
+
 def _warm_up(
     step: Callable[[], None],
     steps: int,
     device: torch.device,
     arm: Callable[[str, float], None],
     timeout_s: float,
-) -> tuple[float, float]:
-    """(seconds for all warm-up steps, the slowest one's), each step synchronised."""
-    slowest_s = 0.0
+) -> tuple[float, float, float]:
+    """(seconds for all warm-up steps, the first one's, the slowest one's), each step
+    synchronised."""
+    times_s = []
     start = time.perf_counter()
     for index in range(steps):
         arm(f"warm-up step {index + 1}", timeout_s)
         began = time.perf_counter()
         step()
         synchronize(device)
-        slowest_s = max(slowest_s, time.perf_counter() - began)
-    return time.perf_counter() - start, slowest_s
+        times_s.append(time.perf_counter() - began)
+    return time.perf_counter() - start, times_s[0], max(times_s)
 
 
 def _device_used_bytes(device: torch.device) -> int | None:

@@ -53,7 +53,7 @@ from fsdp_bench.job.rendezvous import (
     rank_info,
 )
 from fsdp_bench.job.step_trace import trace_file
-from fsdp_bench.job.timing import GRACE_S, StepMeasurements, measure_steps
+from fsdp_bench.job.timing import GRACE_S, StepMeasurements, compile_time_s, measure_steps
 from fsdp_bench.job.training import (
     build_optimizer,
     make_train_step,
@@ -312,6 +312,7 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
         plan,
         device,
         setup_s=setup_s,
+        compile_s=compile_time_s(run, measured),
         allocated_at_start_bytes=allocated_at_start,
         sdpa_backend=sdpa_backend(run, device),
         parity=parity,
