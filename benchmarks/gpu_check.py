@@ -24,6 +24,8 @@ recorded even when it fails, with its wall time:
   communication, root against block grouping, at world size 1 (nothing to expose) and, with
   two GPUs or more (or on CPU), at world size 2; on the same runs, Distributed Checkpoint
   save and load times with the restore checked at the same world size and at world size 1;
+  where the tracked memory peaked, and the traces kept (on CUDA the allocator's memory
+  snapshot beside the profiler's);
 - eager against `train.compile: block` for one shape: tokens/s, compile_s, parity;
 - with two GPUs or more: world size 2 with FSDP and HSDP, an injected hang recorded `timeout`,
   and which device each rank used.
@@ -225,7 +227,7 @@ BREAKDOWN_COLUMNS = [
     "run_id", "status", "world_size", "grouping", "step_time_s", "profiled_step_s", "forward_s",
     "backward_s", "optimizer_s", "comm_s", "exposed_comm_s", "comm_hidden_pct",
     "all_gather_gb_s", "checkpoint_save_s", "checkpoint_load_s", "checkpoint_bytes",
-    "checkpoint_restore_ok", "checkpoint_reshard_ok", "reason",
+    "checkpoint_restore_ok", "checkpoint_reshard_ok", "memory_peak_at", "reason",
 ]  # fmt: skip
 
 
@@ -236,14 +238,17 @@ def step_breakdown(check: Check) -> dict[str, Any]:
         "model": {"name": "llama3-1b" if check.on_gpu else "tiny"},
         "data": {"micro_batch_size": 1, "seq_len": 1024 if check.on_gpu else 128},
         "fsdp": {"mixed_precision": "bf16" if check.on_gpu else "fp32"},
-        "measure": {"warmup_steps": 2, "timed_steps": 3, "repeats": 1, "checkpoint": True},
-    }
+        "measure": {"warmup_steps": 2, "timed_steps": 3, "repeats": 1, "checkpoint": True,
+                    "trace": True},
+    }  # fmt: skip
     axes = {"world_size": sizes, "fsdp.grouping": ["root", "block"]}
     df = sweep(check, "step_breakdown", base, axes, verify=True)
     found = [{k: _plain(v) for k, v in r.items()} for r in
              df.reindex(columns=BREAKDOWN_COLUMNS).to_dict(orient="records")]  # fmt: skip
     one_rank = [r["exposed_comm_s"] or 0.0 for r in found if r["world_size"] == 1]
-    return {"runs": found, "world_size_1_exposed_comm_s": one_rank}
+    traces = check.out / "results" / "step_breakdown" / "traces"
+    kept = sorted(p.name for p in traces.glob("*/rank0*"))  # on CUDA: the memory snapshot too
+    return {"runs": found, "world_size_1_exposed_comm_s": one_rank, "rank0_trace_files": kept}
 
 
 COMPILE_COLUMNS = [

@@ -147,6 +147,13 @@ class RunResult:
     all_gather_exposed_s: list[float] | None = None
     """Each all-gather's duration, and its time with no compute beside it, in issue order."""
     # Distributed Checkpoint of the sharded model and optimizer state (measure.checkpoint)
+    memory_timeline: dict[str, Any] | None = None
+    """Rank 0's tracked memory over the profiled step (`job.memory_timeline`): `points`
+    [operator index, bytes, "module phase"] (at most 400, each the largest of its stretch),
+    `collectives` [operator index, kind], `num_ops`, `peak_bytes`, `peak_at`."""
+    memory_peak_at: str | None = None
+    """The module and phase running at the tracked peak ("layers.1 backward"; "loss" or
+    "optimizer" outside every module)."""
     checkpoint_save_s: float | None = None
     checkpoint_load_s: float | None = None
     """Each ends when the slowest rank's does; the load includes set_state_dict."""

@@ -33,6 +33,8 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> Non
     assert {(r["world_size"], r["status"]) for r in breakdown} == {(1, "ok"), (2, "ok")}
     assert all(r["checkpoint_restore_ok"] and r["checkpoint_reshard_ok"] for r in breakdown)
     assert all(s == 0 for s in parts["step_breakdown"]["world_size_1_exposed_comm_s"])
+    assert all(r["memory_peak_at"] for r in breakdown)
+    assert set(parts["step_breakdown"]["rank0_trace_files"]) == {"rank0.json"}  # no CUDA snapshot
     compile_runs = parts["compile"]["runs"]
     assert [(r["compile"], r["status"], r["parity_ok"]) for r in compile_runs] == [
         ("none", "ok", True), ("block", "ok", True)]  # fmt: skip

@@ -26,6 +26,7 @@ from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import configs, figure_data, summaries, tables
 from fsdp_bench.report.build import build_report, load
 from fsdp_bench.report.compare import compare_results
+from fsdp_bench.report.figure_data import MIB
 from fsdp_bench.report.figures import FIGURES
 from fsdp_bench.report.html import Document, Section
 from fsdp_bench.report.markdown import markdown_summary
@@ -299,6 +300,42 @@ def test_memory_breakdown_rows_and_parts(hand_built: tuple[Path, dict[str, str]]
         "a": {"activation": 4.0, "parameter": 1.0, "gradient": 0.0},
         "b": {"activation": 0.0, "parameter": 2.0, "gradient": 0.5},
     }
+
+
+def test_timeline_panels_lay_runs_differing_in_one_knob_over_each_other() -> None:
+    def timeline(peak_mib: float, where: str) -> dict[str, object]:
+        points = [[0, MIB, "root forward"], [5, peak_mib * MIB, where], [9, MIB, "optimizer"]]
+        return {"num_ops": 10, "points": points, "collectives": [[1, "all_gather"]]}
+
+    rows = [  # (world size, strategy, prefetch, reshard, peak MiB)
+        (2, "fsdp", "implicit", "default", 10.0),
+        (2, "fsdp", "2", "default", 12.0),
+        (2, "fsdp", "implicit", "False", 14.0),
+        (2, "fsdp", "2", "False", 99.0),  # two knobs off the base: in no panel
+        (2, "ddp", "implicit", "default", 50.0),
+        (1, "fsdp", "implicit", "default", 5.0),  # another world size
+    ]
+    df = pd.DataFrame(
+        [
+            {"status": "ok", "tokens_per_s": 1.0, "world_size": w, "strategy": s, "prefetch": p,
+             "reshard_after_forward": r, "grouping": "block",
+             "memory_timeline": timeline(peak, f"layers.{i} backward")}
+            for i, (w, s, p, r, peak) in enumerate(rows)
+        ]
+    )  # fmt: skip
+    panels = figure_data.timeline_panels(df)
+    assert [axis for axis, _, _ in panels] == ["prefetch", "reshard_after_forward"]
+    _, points, marks = panels[0]
+    peaks = points[points["peak"]]
+    assert peaks[["label", "mib", "where"]].values.tolist() == [
+        ["prefetch=implicit", 10.0, "layers.0 backward"],
+        ["prefetch=2", 12.0, "layers.1 backward"],
+    ]
+    assert points["x"].tolist()[:3] == [0.0, 0.5, 0.9]
+    assert marks.values.tolist() == [["prefetch=implicit", 0.1, "all_gather"],
+                                     ["prefetch=2", 0.1, "all_gather"]]  # fmt: skip
+    assert panels[1][1][panels[1][1]["peak"]]["mib"].tolist() == [10.0, 14.0]
+    assert figure_data.timeline_panels(df[df["prefetch"] == "implicit"].iloc[:1]) == []
 
 
 def test_comparison_long_keeps_configurations_ok_in_both() -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from fsdp_bench.job.intervals import length, uncovered, union
+from fsdp_bench.job.memory_timeline import MAX_POINTS
 from fsdp_bench.job.step_trace import MARK_PREFIX, TimelineEvent, breakdown
 from fsdp_bench.report import figure_data, tables
 from tests.conftest import sweep, tiny_grid
@@ -70,7 +72,9 @@ def test_cuda_breakdown_reads_nccl_kernels_against_other_kernels() -> None:
 
 
 @pytest.mark.slow
-def test_a_two_rank_step_is_broken_down_and_its_trace_kept(tmp_path: Path) -> None:
+def test_a_two_rank_step_is_broken_down_its_memory_drawn_and_its_trace_kept(
+    tmp_path: Path,
+) -> None:
     measure = {"warmup_steps": 2, "timed_steps": 2, "repeats": 1, "trace": True}
     axes = {"fsdp.grouping": ["root", "block"]}
     _, df = sweep(tmp_path, tiny_grid("trace", axes, measure=measure))
@@ -81,6 +85,7 @@ def test_a_two_rank_step_is_broken_down_and_its_trace_kept(tmp_path: Path) -> No
         assert 0 < run["exposed_comm_s"] <= run["comm_s"] * 1.0001
         assert len(run["all_gather_group_gb_s"]) == run["all_gathers_per_step"]
         assert all(gb_s > 0 for gb_s in run["all_gather_group_gb_s"])
+        check_timeline(run)
         for rank in (0, 1):
             trace = tmp_path / "results" / "traces" / run["run_id"] / f"rank{rank}.json"
             names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
@@ -99,3 +104,18 @@ def test_a_two_rank_step_is_broken_down_and_its_trace_kept(tmp_path: Path) -> No
         "hidden",
     ]
     assert len(shown) == 2 and all(cell.endswith("%") for cell in shown["hidden"])
+
+
+def check_timeline(run: pd.Series) -> None:
+    """Rank 0's memory timeline: its peak is the tracked peak, every collective is on it."""
+    timeline = run["memory_timeline"]
+    tracked_bytes = run["tracked_peak_gib"] * 2**30  # the largest rank's
+    assert 0.95 * tracked_bytes <= timeline["peak_bytes"] <= tracked_bytes * 1.0001
+    assert max(p[1] for p in timeline["points"]) == timeline["peak_bytes"], "kept exactly"
+    indices = [p[0] for p in timeline["points"]]
+    assert indices == sorted(indices) and len(indices) <= MAX_POINTS < timeline["num_ops"]
+    kinds = [kind for _, kind in timeline["collectives"]]
+    assert kinds.count("all_gather") == run["all_gathers_per_step"]
+    assert kinds.count("reduce_scatter") == run["reduce_scatters_per_step"]
+    assert run["memory_peak_at"] == timeline["peak_at"]
+    assert timeline["peak_at"].endswith((" forward", " backward", "loss", "optimizer"))

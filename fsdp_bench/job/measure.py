@@ -7,6 +7,7 @@ carry nothing but the training step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +19,19 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.memory_timeline import (
+    COLLECTIVE_KINDS,
+    MemoryTimeline,
+    TimelineSampler,
+    cuda_memory_history,
+)
 from fsdp_bench.job.step_trace import StepBreakdown, trace_step
 from fsdp_bench.job.training import Batch, make_train_step
 
-# c10d dispatcher ops, by what they do. FSDP2 issues `_allgather_base_` per group unshard and
-# `_reduce_scatter_base_` per group reduction; DDP's reducer issues `allreduce_` per bucket.
-_ALL_GATHER = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
-_REDUCE_SCATTER = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
-_ALL_REDUCE = {"allreduce_", "allreduce_coalesced_"}
+_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE = (
+    {op for op, k in COLLECTIVE_KINDS.items() if k == kind}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce")
+)
 _MATMULS = {"mm", "addmm", "bmm"}
 
 
@@ -117,6 +123,7 @@ class StepProfile:
     counts: CollectiveCounts
     memory: MemoryReport
     breakdown: StepBreakdown | None = None
+    timeline: MemoryTimeline | None = None
 
 
 def profile_step(
@@ -129,6 +136,8 @@ def profile_step(
 ) -> StepProfile:
     """One untimed optimizer step under the memory tracker and the collective counter, then
     (`break_down`) one under torch.profiler (`step_trace`; its trace kept at `trace_path`).
+    With `break_down` the tracked step also samples the memory timeline (`memory_timeline`;
+    on CUDA with a trace path, the allocator's history is saved beside the trace).
 
     Memory is the tensor-level peak in steady state (the model must have stepped already, so
     that optimizer state exists), from torch's MemTracker, which follows every storage
@@ -147,16 +156,19 @@ def profile_step(
         model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
     )
     counter = CollectiveCounter()
-    with tracker, counter:
+    device = batches[0][0].device
+    sampler = TimelineSampler(tracker, device.type) if break_down else None
+    history = trace_path.with_name(f"{trace_path.stem}_memory.pickle") if trace_path else None
+    recording = cuda_memory_history(history if break_down else None, device)
+    with recording, tracker, counter, sampler or contextlib.nullcontext():
         step()
-    memory = _snapshot(tracker, batches[0][0].device.type)
+    memory = _snapshot(tracker, device.type)
     if isinstance(model, DistributedDataParallel):
         add_ddp_buckets(memory, model)
-    if not break_down:
+    if sampler is None:
         return StepProfile(counter.counts, memory)
-    return StepProfile(
-        counter.counts, memory, trace_step(model, optimizer, batches, run, trace_path)
-    )
+    breakdown = trace_step(model, optimizer, batches, run, trace_path)
+    return StepProfile(counter.counts, memory, breakdown, sampler.timeline())
 
 
 def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:

@@ -68,6 +68,8 @@ class RankOutcome:
     """`checkpoint.CheckpointCost` as a dict (first pass, with measure.checkpoint)."""
     breakdown: dict[str, Any] | None = None
     """`step_trace.StepBreakdown` as a dict: the profiled step's phases and communication."""
+    timeline: dict[str, Any] | None = None
+    """`memory_timeline.MemoryTimeline` as a dict: memory over the tracked step."""
 
 
 def pool_passes(passes: list[RankOutcome]) -> RankOutcome:
@@ -148,6 +150,8 @@ def build_result(
         **where.peaks._asdict(),
         **_collectives(first),
         **_breakdown(first),
+        memory_timeline=first.timeline,
+        memory_peak_at=first.timeline["peak_at"] if first.timeline else None,
         **_parity(parity),
         **_checkpoint(ranks),
         **record_fields([s for o in ranks for s in o.load]),

@@ -344,6 +344,7 @@ def _outcome(
         host_peak_bytes=memory.host_peak_bytes,
         device_index=device.index,
         breakdown=asdict(profile.breakdown) if profile.breakdown else None,
+        timeline=asdict(profile.timeline) if profile.timeline else None,
         **extra,
     )
 

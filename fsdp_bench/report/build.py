@@ -213,6 +213,7 @@ def _measured_sections(
         figs.throughput_by_grouping(df, canvas),
         memory_figures.memory_vs_throughput(df, canvas, budget),
         memory_figures.memory_breakdown(df, canvas, budget),
+        memory_figures.memory_timeline(df, canvas),
         figs.collectives(df, canvas),
     ]
     step_figure = figs.step_breakdown(df, canvas)

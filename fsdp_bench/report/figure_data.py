@@ -7,6 +7,7 @@ import pandas as pd
 
 from fsdp_bench.report.configs import (
     at_baseline,
+    baseline_value,
     config_columns,
     config_labels,
     key,
@@ -211,3 +212,42 @@ def step_phases(df: pd.DataFrame) -> pd.DataFrame:
     table["hidden %"] = ok["comm_hidden_pct"].to_numpy()
     table["run_id"] = ok["run_id"].to_numpy()
     return table
+
+
+TIMELINE_AXES = ("prefetch", "reshard_after_forward", "grouping")
+"""The knobs whose memory timelines are laid over each other: explicit prefetch (the
+double-buffer peak, seed section 07), parameters kept to backward, and how much one
+all-gather materialises."""
+
+
+def timeline_panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.DataFrame]]:
+    """Per knob of TIMELINE_AXES that varies among the ok FSDP runs at the most common world
+    size, every other knob at its common value: (knob, points, collectives). `points`: run
+    `label`, `x` (fraction of the step's operators), `mib`, `where` ("layers.1 backward") and
+    `peak` (the run's largest point); `collectives`: `label`, `x`, `kind`."""
+    ok = ok_runs(df)
+    if ok.empty or "memory_timeline" not in ok.columns:
+        return []
+    ok = ok[ok["memory_timeline"].map(lambda t: isinstance(t, dict) and bool(t.get("points")))]
+    ok = ok[(ok["strategy"] != "ddp") & (ok["world_size"] == baseline_value(ok["world_size"]))]
+    panels = []
+    for axis in TIMELINE_AXES:
+        runs = at_baseline(ok, [axis]).drop_duplicates(axis) if axis in ok.columns else ok[:0]
+        if len(runs) < 2:
+            continue
+        points, marks = [], []
+        for value, timeline in zip(runs[axis], runs["memory_timeline"], strict=True):
+            label, num_ops = f"{axis}={key(value)}", max(int(timeline["num_ops"]), 1)
+            peak = max(timeline["points"], key=lambda p: p[1])
+            points += [
+                {"label": label, "x": i / num_ops, "mib": b / MIB, "where": w, "peak": p is peak}
+                for p in timeline["points"]
+                for i, b, w in [p]
+            ]
+            marks += [
+                {"label": label, "x": i / num_ops, "kind": k} for i, k in timeline["collectives"]
+            ]
+        panels.append(
+            (axis, pd.DataFrame(points), pd.DataFrame(marks, columns=["label", "x", "kind"]))
+        )
+    return panels

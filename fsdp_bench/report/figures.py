@@ -25,7 +25,11 @@ from fsdp_bench.report.canvas import (
     thousands,
 )
 from fsdp_bench.report.configs import ok_runs
-from fsdp_bench.report.memory_figures import memory_breakdown, memory_vs_throughput
+from fsdp_bench.report.memory_figures import (
+    memory_breakdown,
+    memory_timeline,
+    memory_vs_throughput,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure as MplFigure
@@ -235,6 +239,7 @@ FIGURES: dict[str, Callable[..., Figure]] = {
     "throughput_by_grouping": throughput_by_grouping,
     "memory_vs_throughput": memory_vs_throughput,
     "memory_breakdown": memory_breakdown,
+    "memory_timeline": memory_timeline,
     "collectives": collectives,
     "step_breakdown": step_breakdown,
     "scaling": scaling,

@@ -167,3 +167,43 @@ def _mark_peaks(ax: Axes, runs: pd.DataFrame, positions: list[int]) -> pd.Series
             label="estimated peak (before launch)",
         )
     return estimated
+
+
+def memory_timeline(df: pd.DataFrame, canvas: Canvas) -> Figure:
+    """Memory over one step for configurations that differ in one knob (prefetch, resharding,
+    grouping), laid over each other, the collectives marked under the curves and each
+    curve's peak named by its module and phase."""
+    name, title = "memory_timeline", "memory over one step, configurations laid over each other"
+    panels = data.timeline_panels(df)
+    if not panels:
+        return not_drawn(
+            name, title, "no two ok FSDP runs with a memory timeline differ in one knob only"
+        )
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9.5, 3.1 * len(panels)), squeeze=False)
+    for ax, (axis, points, marks) in zip(axes[:, 0], panels, strict=True):
+        labels = list(dict.fromkeys(points["label"]))
+        colors = dict(zip(labels, sns.color_palette("deep", len(labels)), strict=True))
+        for row, label in enumerate(labels):
+            run = points[points["label"] == label]
+            peak = run[run["peak"]].iloc[0]
+            text = f"{label} (peak {peak['mib']:.1f} MiB: {peak['where']})"
+            ax.plot(run["x"], run["mib"], color=colors[label], lw=1.3, label=text)
+            ax.scatter([peak["x"]], [peak["mib"]], color=colors[label], s=30, zorder=3)
+            for kind, marker in (("all_gather", 2), ("reduce_scatter", 3)):
+                at = marks[(marks["label"] == label) & (marks["kind"] == kind)]["x"]
+                ax.plot(at, [row * 0.04] * len(at), ls="", marker=marker, ms=6,
+                        color=colors[label], transform=ax.get_xaxis_transform())  # fmt: skip
+        low, high = float(points["mib"].min()), float(points["mib"].max())
+        ax.set_ylim(low - 0.05 * (high - low), high + 0.5 * (high - low))  # room for the legend
+        ax.set_ylabel("tracked MiB (rank 0)")
+        ax.set_xlim(0, 1)
+        ax.legend(fontsize=8, frameon=False, loc="upper left", title=axis, title_fontsize=8)
+    axes[-1, 0].set_xlabel("fraction of the step's operators (forward, backward, optimizer)")
+    fig.suptitle(f"{title}\n{canvas.subject}", fontsize=10)
+    caption = (
+        "Tracked tensor memory of rank 0 after every operator of the profiled step, for runs "
+        "equal in every knob but the panel's; ticks at the bottom: all-gathers (up) and "
+        "reduce-scatters (down) where they were issued. The dot is each run's peak; the "
+        "legend names the module and phase running then."
+    )
+    return Figure(name, title, caption, save_figure(fig, canvas, name))
