@@ -255,6 +255,12 @@ class ResultStore:
         self.inflight_dir = self.root / "inflight"
         self.jobs_dir = self.root / "jobs"
 
+    def save_grid(self, source: str) -> None:
+        """The grid file as given, beside its results: provenance, and the budget `report`
+        applies."""
+        if Path(source).is_file():
+            write_atomic(self.root / "grid.yaml", Path(source).read_text())
+
     def record(self, result: RunResult) -> None:
         write_atomic(self.runs_dir / f"{result.run_id}.json", result.to_json())
 

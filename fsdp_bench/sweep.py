@@ -21,7 +21,7 @@ from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launch
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
 from fsdp_bench.memory.model_check import check_models
-from fsdp_bench.store import ResultStore, RunResult, write_atomic
+from fsdp_bench.store import ResultStore, RunResult
 
 
 @dataclass
@@ -66,7 +66,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
         Driver(store, ledger, spec, options.verify).wait_for(launcher, watched)
         _note_other_jobs(launcher)
     check_models(runs)  # a broken model stops here: nothing launched, nothing written
-    save_grid(spec, store)
+    store.save_grid(spec.source)
     if options.rerun:
         _set_aside(store, [r.run_id for r in runs])
     elif options.rerun_contended:
@@ -247,10 +247,3 @@ def _set_aside(store: ResultStore, run_ids: list[str]) -> None:
             target = store.root / "replaced" / f"{run_id}.{stamp}.json"
             target.parent.mkdir(parents=True, exist_ok=True)
             path.replace(target)
-
-
-def save_grid(spec: SweepSpec, store: ResultStore) -> None:
-    """The grid as given, beside its results: provenance, and the budget `report` applies."""
-    source = Path(spec.source)
-    if source.is_file():
-        write_atomic(store.root / "grid.yaml", source.read_text())

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_sweep_parser, _estimate_parser, _search_parser, _report_parser):
+    for add in (_sweep_parser, _run_parser, _estimate_parser, _search_parser, _report_parser):
         add(commands).add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
         )
@@ -85,6 +85,22 @@ def _sweep_parser(
     _add_max_runs(sweep)
     sweep.set_defaults(handler=_sweep)
     return sweep
+
+
+def _run_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    run = commands.add_parser(
+        "run",
+        help="every rank of a torchrun or srun launch: measure the grid's runs of its shape",
+    )
+    run.add_argument("grid", help="grid YAML file")
+    run.add_argument("--results", type=Path, help="results folder (default: results/<grid name>)")
+    run.add_argument("--verify", action="store_true", help="parity check before timing")
+    run.add_argument("--only", nargs="+", default=(), metavar="RUN_ID", help="only these runs")
+    _add_max_runs(run)
+    run.set_defaults(handler=_run)
+    return run
 
 
 def _estimate_parser(
@@ -213,6 +229,18 @@ def _sweep(args: argparse.Namespace) -> int:
     if outcome.already_recorded and not args.rerun:
         print(f"{outcome.already_recorded} runs were already recorded (--rerun runs them again)")
     _print_ranking(outcome.results_dir, outcome.run_ids)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fsdp_bench.launch.in_place import InPlaceOptions, run_in_place
+    from fsdp_bench.sweep import results_dir_for
+
+    spec = _load_grid(args)
+    results = results_dir_for(spec, args.results)
+    outcome = run_in_place(spec, InPlaceOptions(results, args.verify, tuple(args.only)))
+    if outcome.rank == 0 and outcome.run_ids:
+        _print_ranking(results, outcome.run_ids)
     return 0
 
 

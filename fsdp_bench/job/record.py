@@ -332,6 +332,7 @@ def provenance(where: RunContext, ranks: list[RankOutcome]) -> dict[str, Any]:
         "python_version": platform.python_version(),
         "job_id": where.info.job_id,
         "attempt": where.info.attempt,
+        "launcher": where.info.launcher,
         "started_at": where.started_at,
         "finished_at": now_iso(),
         "device_indices": [o.device_index for o in ranks],

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_bench.errors import ConfigError
 from fsdp_bench.store import write_atomic
 
 
@@ -31,7 +32,9 @@ class RankInfo:
     num_nodes: int
     job_id: str
     attempt: int
-    """Requeue count: a requeued job rendezvous afresh."""
+    """Requeue or restart count: a requeued job (a restarted group) rendezvous afresh."""
+    launcher: str = "submitit"
+    """Who started the process: submitit (fsdp-bench's own jobs), torchrun or srun."""
 
     @property
     def local_world_size(self) -> int:
@@ -39,17 +42,48 @@ class RankInfo:
 
 
 def rank_info() -> RankInfo:
-    """This process's place in the job (from submitit's job environment)."""
-    import submitit
+    """This process's place, from the environment of whoever started it: submitit's job
+    environment (fsdp-bench's jobs), torchrun's (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID) or a Slurm step's (srun: SLURM_PROCID,
+    SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES)."""
+    env = os.environ
+    if "SUBMITIT_EXECUTOR" in env:
+        import submitit
 
-    env = submitit.JobEnvironment()
-    return RankInfo(
-        rank=env.global_rank,
-        local_rank=env.local_rank,
-        world_size=env.num_tasks,
-        num_nodes=env.num_nodes,
-        job_id=str(env.job_id),
-        attempt=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        job = submitit.JobEnvironment()
+        return RankInfo(
+            rank=job.global_rank,
+            local_rank=job.local_rank,
+            world_size=job.num_tasks,
+            num_nodes=job.num_nodes,
+            job_id=str(job.job_id),
+            attempt=int(env.get("SLURM_RESTART_COUNT", "0")),
+        )
+    if "TORCHELASTIC_RUN_ID" in env:
+        world_size = int(env["WORLD_SIZE"])
+        return RankInfo(
+            rank=int(env["RANK"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            world_size=world_size,
+            num_nodes=world_size // int(env["LOCAL_WORLD_SIZE"]),
+            job_id=f"torchrun-{env['TORCHELASTIC_RUN_ID']}",
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        return RankInfo(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env["SLURM_LOCALID"]),
+            world_size=int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))),
+            num_nodes=int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))),
+            job_id=f"{env.get('SLURM_JOB_ID', 'slurm')}.{env['SLURM_STEP_ID']}",
+            attempt=int(env.get("SLURM_RESTART_COUNT", "0")),
+            launcher="srun",
+        )
+    raise ConfigError(
+        "no launcher environment found: start `fsdp-bench run` with torchrun (RANK, "
+        "LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID) or srun (SLURM_PROCID, SLURM_STEP_ID); "
+        "`fsdp-bench sweep` starts its own jobs"
     )
 
 
@@ -85,21 +119,25 @@ def init_process_group(
 
     `cpu_collectives` adds gloo beside NCCL on GPUs, for collectives of CPU tensors: the
     parity check gathers CPU-offloaded shards, which NCCL cannot."""
-    store, host = _rendezvous(
-        info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s
-    )
-    # The usual variables, for user model code that reads them (torch itself uses the store).
-    os.environ.update(
-        RANK=str(info.rank),
-        LOCAL_RANK=str(info.local_rank),
-        WORLD_SIZE=str(info.world_size),
-        LOCAL_WORLD_SIZE=str(info.local_world_size),
-        MASTER_ADDR=host,
-        MASTER_PORT=str(store.port),
-    )
     backend = "gloo"
     if device.type == "cuda":
         backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+    store: dist.Store
+    if info.launcher == "torchrun":
+        store = _torchrun_store(info, timeout_s)
+    else:
+        store, host = _rendezvous(
+            info, rendezvous_dir / f"{info.job_id}.{info.attempt}.json", timeout_s
+        )
+        # The usual variables, for user model code that reads them (torch uses the store).
+        os.environ.update(
+            RANK=str(info.rank),
+            LOCAL_RANK=str(info.local_rank),
+            WORLD_SIZE=str(info.world_size),
+            LOCAL_WORLD_SIZE=str(info.local_world_size),
+            MASTER_ADDR=host,
+            MASTER_PORT=str(store.port),
+        )
     dist.init_process_group(
         backend,
         store=store,
@@ -108,6 +146,21 @@ def init_process_group(
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def _torchrun_store(info: RankInfo, timeout_s: float) -> dist.Store:
+    """The store torchrun's rendezvous gave (MASTER_ADDR, MASTER_PORT), under a prefix of
+    this attempt: the agent's store outlives a restart of the group, and the new group would
+    otherwise read the old one's gloo addresses and fail to connect."""
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        info.world_size,
+        is_master=info.rank == 0 and not agent_hosts_it,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"fsdp_bench/attempt_{info.attempt}", base)
 
 
 def _rendezvous(info: RankInfo, address_file: Path, timeout_s: float) -> tuple[dist.TCPStore, str]:

@@ -7,6 +7,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -180,3 +181,16 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
     elif isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = enabled
+
+
+def release(device: torch.device) -> None:
+    """Free what the last run built, so the next one starts from the same state (checked:
+    each record carries the memory still allocated when its run began)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
+        if empty_host_cache is not None:
+            empty_host_cache()  # pinned host blocks (CPU offload's buffers)
+        torch.cuda.reset_peak_memory_stats(device)

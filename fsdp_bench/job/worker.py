@@ -58,6 +58,7 @@ from fsdp_bench.job.training import (
     build_optimizer,
     make_train_step,
     rank_batches,
+    release,
     set_fp32_matmul,
 )
 from fsdp_bench.job.watchdog import Watchdog
@@ -106,7 +107,7 @@ class JobContext:
         return self.meshes[shape]
 
 
-def run_job(job: JobSpec) -> list[str]:
+def run_job(job: JobSpec, info: RankInfo | None = None) -> list[str]:
     """Entry point of every rank (a picklable top-level callable). Returns run ids recorded.
 
     The runs are measured in passes (`measure.rounds`): pass 1 measures every run once, pass
@@ -114,7 +115,7 @@ def run_job(job: JobSpec) -> list[str]:
     pass, with the step times of all its passes pooled."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     handle_scheduler_signals()
-    context = _start(job, rank_info(), ResultStore(job.results_dir))
+    context = _start(job, info or rank_info(), ResultStore(job.results_dir))
     todo = [run for run in job.runs if not _already_recorded(run, context)]
     passes: dict[str, list[MeasuredPass]] = {run.run_id: [] for run in todo}
     recorded = []
@@ -128,7 +129,7 @@ def run_job(job: JobSpec) -> list[str]:
                 _between_passes(context)
             elif _record(run, job, context, done):
                 recorded.append(run.run_id)
-            _release(context.device)
+            release(context.device)
     barrier_and_destroy()
     return recorded
 
@@ -143,18 +144,8 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         device = pick_device(job.device, info.local_rank)
         # On every device: with CPU offload the optimizer step runs on the host.
         torch.set_num_threads(job.cpu_threads_per_rank or cpus_for_rank(info))
-        offloads = any(r.fsdp.cpu_offload for r in job.runs)
-        # NCCL's own watchdog aborts the process without a word: it waits longer than this
-        # rank's watchdog, which writes the note first. gloo raises in the main thread, and
-        # its message, which names the operation, comes first.
-        nccl_later_s = 2 * GRACE_S if device.type == "cuda" else 0.0
-        init_process_group(
-            info,
-            device,
-            store.jobs_dir / "rendezvous",
-            job.collective_timeout_s + nccl_later_s,
-            cpu_collectives=job.verify and offloads,
-        )
+        if not dist.is_initialized():  # `fsdp-bench run` has made the group already
+            init_job_group(job, info, device, store)
         pids = run_pids(info.world_size)
     except BaseException as err:
         pending = [r for r in job.runs if not store.has(r.run_id)]
@@ -178,6 +169,20 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
     )
     context.watchdog = Watchdog(lambda phase, waited_s: _hung(context, phase, waited_s))
     return context
+
+
+def init_job_group(job: JobSpec, info: RankInfo, device: torch.device, store: ResultStore) -> None:
+    """The job's process group. NCCL's own watchdog aborts the process without a word: it
+    waits longer than this rank's watchdog, which writes the note first. gloo raises in the
+    main thread, and its message, which names the operation, comes first."""
+    nccl_later_s = 2 * GRACE_S if device.type == "cuda" else 0.0
+    init_process_group(
+        info,
+        device,
+        store.jobs_dir / "rendezvous",
+        job.collective_timeout_s + nccl_later_s,
+        cpu_collectives=job.verify and any(r.fsdp.cpu_offload for r in job.runs),
+    )
 
 
 def _hung(context: JobContext, phase: str, waited_s: float) -> None:
@@ -362,7 +367,7 @@ def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, 
         failure = ""
     except Exception as err:  # reported, not raised: see the docstring
         failure = f"rank {context.info.rank}: {classify(err)}: {one_line(err, 300)}"
-    _release(context.device)
+    release(context.device)
     failures: list[str | None] = [None] * context.info.world_size
     dist.all_gather_object(failures, failure)
     if context.watchdog is not None:
@@ -381,16 +386,3 @@ def _already_recorded(run: RunConfig, context: JobContext) -> bool:
     decision = [context.store.has(run.run_id) if context.info.rank == 0 else None]
     dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
-
-
-def _release(device: torch.device) -> None:
-    """Free what the last run built, so the next one starts from the same state (checked:
-    each record carries the memory still allocated when its run began)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
-        if empty_host_cache is not None:
-            empty_host_cache()  # pinned host blocks (CPU offload's buffers)
-        torch.cuda.reset_peak_memory_stats(device)

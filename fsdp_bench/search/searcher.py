@@ -49,7 +49,7 @@ from fsdp_bench.search.trials import (
 )
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 from fsdp_bench.study_storage import JOURNAL, storage_for
-from fsdp_bench.sweep import results_dir_for, save_grid, wait_for_earlier_jobs
+from fsdp_bench.sweep import results_dir_for, wait_for_earlier_jobs
 
 REPEATS_BEFORE_EXPLORING = 3
 """Known points proposed in a row before the next trial is an unvisited point instead."""
@@ -99,7 +99,7 @@ def run_search(
     launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
     wait_for_earlier_jobs(spec, store, launcher)  # a job a killed driver left still timing
     check_models(model_runs(spec))  # a broken model stops here: nothing launched, nothing written
-    save_grid(spec, store)
+    store.save_grid(spec.source)
     study = open_study(spec, store, options.storage)
     # what `report` applies, command-line overrides included (grid.yaml has the file's)
     study.set_user_attr("budget_gib", spec.memory.budget_gib)

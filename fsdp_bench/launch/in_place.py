@@ -1,0 +1,172 @@
+"""`fsdp-bench run`: measure a grid inside processes someone else started (torchrun on each
+node, srun in an allocation), with the worker, records and failure notes of a sweep.
+
+Every rank reads the grid and takes the runs of its shape (world size and nodes). Rank 0
+decides the rest and tells the others, as only it writes to the results folder: it holds
+the folder's lock, turns what an earlier incarnation left in flight into records (a rank's
+note of an OOM or an error, after torchrun restarted the group), and lists what is left to
+measure. There is no driver here to cancel a stuck job: each rank's watchdog ends a hang
+(`launcher.collective_timeout_s`) and torchrun's restarts, or the next invocation, go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fsdp_bench.config.grid import SweepSpec, expand
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
+from fsdp_bench.errors import ConfigError, ResultsError
+from fsdp_bench.job.failures import handle_scheduler_signals
+from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
+from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
+from fsdp_bench.launch.verdicts import classify_failure, read_notes
+from fsdp_bench.memory.model_check import run_flops
+from fsdp_bench.store import ResultStore, RunResult, now_iso
+
+LOCK_NAME = "run.lock"
+_EXPLAINED = ("oom", "error", "timeout")
+
+
+@dataclass(frozen=True)
+class InPlaceOptions:
+    results_dir: Path
+    verify: bool = False
+    only: tuple[str, ...] = ()
+    """Run ids to measure (default: every run of this shape)."""
+
+
+@dataclass(frozen=True)
+class InPlaceOutcome:
+    rank: int
+    run_ids: list[str]
+    """Every run of this group's shape, recorded now or before."""
+
+
+def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
+    """Measure this process group's share of the grid (what is not recorded yet)."""
+    info = rank_info()
+    runs = _runs_of_shape(spec, info, options.only)
+    store = ResultStore(options.results_dir)
+    launcher = spec.launcher
+    if info.rank == 0:
+        store.root.mkdir(parents=True, exist_ok=True)
+        store.save_grid(spec.source)
+    job = JobSpec(
+        runs=tuple(runs),
+        results_dir=str(store.root.resolve()),
+        device=launcher.job_device,
+        cpu_threads_per_rank=launcher.cpu_threads_per_rank,
+        collective_timeout_s=launcher.collective_timeout_s,
+        verify=options.verify,
+        flops=run_flops(runs),
+    )
+    # The group is needed to agree on the lock and the runs: made here, kept by the worker.
+    handle_scheduler_signals()
+    init_job_group(job, info, pick_device(launcher.job_device, info.local_rank), store)
+    decision: list[str | list[str] | None] = [None]
+    if info.rank == 0:
+        decision = [_take_lock(store.root) or _reconcile(runs, store, info)]
+    dist.broadcast_object_list(decision, src=0)
+    if isinstance(decision[0], str):
+        dist.destroy_process_group()
+        raise ResultsError(decision[0])
+    todo = set(decision[0] or [])
+    try:
+        run_job(dataclasses.replace(job, runs=tuple(r for r in runs if r.run_id in todo)), info)
+    finally:
+        if info.rank == 0:
+            (store.root / LOCK_NAME).unlink(missing_ok=True)
+    return InPlaceOutcome(info.rank, [r.run_id for r in runs])
+
+
+def _runs_of_shape(spec: SweepSpec, info: RankInfo, only: tuple[str, ...]) -> list[RunConfig]:
+    """The grid's runs this group can measure; rank 0 says in one line what it leaves."""
+    runs = [r for r in expand(spec).runs if not only or r.run_id in only]
+    unknown = sorted(set(only) - {r.run_id for r in runs})
+    if unknown:
+        raise ConfigError(f"--only: run ids not in the grid: {', '.join(unknown)}")
+    mine = [r for r in runs if (r.world_size, r.nodes) == (info.world_size, info.num_nodes)]
+    if info.rank == 0:
+        others: dict[tuple[int, int], int] = {}
+        for run in runs:
+            if run not in mine:
+                others[(run.world_size, run.nodes)] = others.get((run.world_size, run.nodes), 0) + 1
+        for (world_size, nodes), count in sorted(others.items()):
+            print(f"fsdp-bench run: {count} runs need world size {world_size} on {nodes} "
+                  "node(s): not run here", flush=True)  # fmt: skip
+        print(f"fsdp-bench run: {len(mine)} runs at world size {info.world_size} on "
+              f"{info.num_nodes} node(s), started by {info.launcher}", flush=True)  # fmt: skip
+    return mine
+
+
+def _take_lock(root: Path) -> str | None:
+    """None when this process now holds the folder's lock; else why it cannot. A lock whose
+    process is gone from this host (a restarted group's old rank 0) is taken over."""
+    path = root / LOCK_NAME
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
+    for _ in range(2):
+        try:
+            with path.open("x") as handle:
+                json.dump(mine, handle)
+            return None
+        except FileExistsError:
+            try:
+                held = json.loads(path.read_text())
+            except (OSError, ValueError):
+                held = {}
+            if held.get("host") == mine["host"] and not _alive(int(held.get("pid", -1))):
+                path.unlink(missing_ok=True)
+                continue
+            return (
+                f"{root} is in use by another fsdp-bench run (host {held.get('host')}, pid "
+                f"{held.get('pid')}, since {held.get('since')}): one invocation per results "
+                f"folder at a time; if that process is gone, remove {path}"
+            )
+    return f"could not take the lock {path}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> list[str]:
+    """What an earlier incarnation left in flight becomes a record when a rank said why (an
+    OOM, an error, a timeout); an interrupted run is measured again. The run ids to measure."""
+    todo = []
+    for run in runs:
+        if store.has(run.run_id):
+            continue
+        inflight = store.inflight(run.run_id)
+        notes = read_notes(inflight) if inflight.exists() else []
+        if any(n["class"] in _EXPLAINED for n in notes):
+            verdict = classify_failure(notes, "", "")
+            provenance = {"job_id": info.job_id, "attempt": info.attempt, "finished_at": now_iso()}
+            store.record(
+                RunResult(
+                    run_id=run.run_id,
+                    status=verdict.status,  # type: ignore[arg-type]
+                    config=to_plain(run),
+                    reason=verdict.reason,
+                    provenance=provenance,
+                )
+            )
+            print(f"fsdp-bench run: {run.run_id} {verdict.status}: {verdict.reason}", flush=True)
+        else:
+            todo.append(run.run_id)
+        shutil.rmtree(inflight, ignore_errors=True)
+    return todo

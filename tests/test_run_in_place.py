@@ -1,0 +1,115 @@
+"""`fsdp-bench run` under torchrun (one node, and two agents as two nodes on loopback): each
+group measures the runs of its shape, a failure under `--max-restarts` becomes a record, and
+a second invocation on a busy results folder is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_bench import load_results
+from fsdp_bench.config.grid import expand, load_grid
+from tests.conftest import REPO, started_counts, write_grid
+
+pytestmark = pytest.mark.slow
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+MEASURE = {"warmup_steps": 1, "timed_steps": 2, "repeats": 1}
+
+
+def grid(name: str, axes: Any, **base: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "base": {"model": {"name": "tiny"}, "measure": MEASURE, **base},
+        "axes": axes,
+        "launcher": {"collective_timeout_s": 30},
+    }
+
+
+def torchrun(args: list[str], path: Path, results: Path, **popen: Any) -> Any:
+    command = [*TORCHRUN, *args, "-m", "fsdp_bench", "run", str(path), "--results", str(results)]
+    if popen:
+        return subprocess.Popen(command, cwd=REPO, text=True, **popen)
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_torchrun_measures_exactly_the_runs_of_its_world_size(tmp_path: Path) -> None:
+    axes = [{"world_size": [1, 2, 4]}, {"world_size": [2], "fsdp.grouping": ["root"]}]
+    path = write_grid(tmp_path, grid("one-node", axes))
+    results = tmp_path / "r"
+    done = torchrun(["--nnodes", "1", "--nproc_per_node", "2"], path, results)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 runs need world size 1 on 1 node(s): not run here" in done.stdout
+    assert "1 runs need world size 4 on 1 node(s): not run here" in done.stdout
+    df = load_results(results)
+    wanted = {r.run_id for r in expand(load_grid(path)).runs if r.world_size == 2}
+    assert set(df.run_id) == wanted and set(df.status) == {"ok"}
+    assert set(df.launcher) == {"torchrun"} and set(df.job_id.str[:9]) == {"torchrun-"}
+    assert not (results / "run.lock").exists()
+    again = torchrun(["--nnodes", "1", "--nproc_per_node", "2"], path, results)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not re.search(r"run \w+ started", again.stdout), "recorded runs are not measured again"
+
+
+def test_two_agents_on_loopback_are_two_nodes(tmp_path: Path) -> None:
+    path = write_grid(tmp_path, grid("two-nodes", {"fsdp.grouping": ["block"]}, world_size=2,
+                                     processes_per_node=1))  # fmt: skip
+    results = tmp_path / "r"
+    with socket.socket() as probe:  # a free port for the c10d rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]  # fmt: skip
+    agents = [torchrun(args, path, results, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+              for _ in range(2)]  # fmt: skip
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outputs]
+    df = load_results(results)
+    assert list(df.status) == ["ok"] and list(df.nodes) == [2]
+    assert list(df.world_size) == [2]
+
+
+def test_an_oom_under_max_restarts_is_recorded_and_the_other_runs_go_on(tmp_path: Path) -> None:
+    axes = [{"data.seed": [0]}, {"fault.kind": ["oom"], "fault.rank": [1]}, {"data.seed": [2]}]
+    path = write_grid(tmp_path, grid("restarts", axes, world_size=2))
+    results = tmp_path / "r"
+    done = torchrun(["--nnodes", "1", "--nproc_per_node", "2", "--max-restarts", "1"], path,
+                    results)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    df = load_results(results).set_index("fault")
+    assert df.loc["oom", "status"] == "oom" and "rank 1" in df.loc["oom", "reason"]
+    assert (df.drop(index="oom")["status"] == "ok").all() and len(df) == 3
+    restarted = [attempt for attempt in load_results(results)["attempt"] if attempt]
+    assert restarted, "the runs after the OOM were measured by the restarted group"
+
+
+def test_a_second_invocation_on_a_busy_folder_is_refused(tmp_path: Path) -> None:
+    path = write_grid(tmp_path, grid("busy", {"data.seed": [0]}, world_size=1,
+                                     measure={**MEASURE, "timed_steps": 100_000}))  # fmt: skip
+    results = tmp_path / "r"
+    args = ["--nnodes", "1", "--nproc_per_node", "1"]
+    first = torchrun(args, path, results, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not started_counts(results) and not list(results.glob("inflight/*/started.json")):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        lock = json.loads((results / "run.lock").read_text())
+        second = torchrun(args, path, results)
+        assert second.returncode != 0
+        assert "is in use by another fsdp-bench run" in second.stderr
+        assert f"pid {lock['pid']}" in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
