@@ -24,9 +24,16 @@ def test_quickstart_end_to_end(
     header = table[1].split()
     assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header
     notes = [line for line in table[2:] if "contended" in line and "--rerun" in line]
-    assert len(table) == 2 + 33 + 1 + len(notes)  # a run timed beside something else says so
+    launch = next(i for i, line in enumerate(table) if line.startswith("to measure it again"))
+    assert launch == 2 + 33 + 1 + len(notes)  # a run timed beside something else says so
     noise = table[2 + 33]
     assert noise.startswith("between-pass noise: ") and "pooled over 33 runs, 33 degrees" in noise
+    best = table[2].split()[0]  # the torchrun line that measures the best run again
+    assert table[launch + 1].strip().startswith("torchrun --nnodes 1 --nproc_per_node ")
+    assert (
+        f"launch/{best}.yaml" in table[launch + 1]
+        and (results / "launch" / f"{best}.yaml").is_file()
+    )
 
     # What a user does next: read the folder with pandas.
     code = f"import fsdp_bench; df = fsdp_bench.load_results({str(results)!r}); print(len(df))"

@@ -5,8 +5,8 @@ a second invocation on a busy results folder is refused."""
 from __future__ import annotations
 
 import json
-import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -59,6 +59,25 @@ def test_torchrun_measures_exactly_the_runs_of_its_world_size(tmp_path: Path) ->
     again = torchrun(["--nnodes", "1", "--nproc_per_node", "2"], path, results)
     assert again.returncode == 0, again.stderr[-3000:]
     assert not re.search(r"run \w+ started", again.stdout), "recorded runs are not measured again"
+    check_printed_launch_line(path, results, df.run_id.iloc[0])
+
+
+def check_printed_launch_line(path: Path, results: Path, run_id: str) -> None:
+    """`sweep --print-launch`'s torchrun line, run as printed, measures the same configuration."""
+    shown = subprocess.run([sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results",
+                            str(results), "--print-launch", run_id], cwd=REPO,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    line = next(line.strip() for line in shown.stdout.splitlines() if "torchrun " in line)
+    argv = shlex.split(line)
+    assert argv[0] == "torchrun" and "#SBATCH --ntasks-per-node=2" in shown.stdout
+    argv[0] = str(Path(sys.executable).parent / "torchrun")  # the one this environment installed
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def config(folder: Path) -> Any:
+        return json.loads((folder / "runs" / f"{run_id}.json").read_text())["config"]
+
+    assert config(Path(f"{results}-{run_id}")) == config(results)
 
 
 def test_two_agents_on_loopback_are_two_nodes(tmp_path: Path) -> None:
@@ -98,8 +117,7 @@ def test_a_second_invocation_on_a_busy_folder_is_refused(tmp_path: Path) -> None
                                      measure={**MEASURE, "timed_steps": 100_000}))  # fmt: skip
     results = tmp_path / "r"
     args = ["--nnodes", "1", "--nproc_per_node", "1"]
-    first = torchrun(args, path, results, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)  # fmt: skip
+    first = torchrun(args, path, results, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not started_counts(results) and not list(results.glob("inflight/*/started.json")):
@@ -110,6 +128,8 @@ def test_a_second_invocation_on_a_busy_folder_is_refused(tmp_path: Path) -> None
         assert second.returncode != 0
         assert "is in use by another fsdp-bench run" in second.stderr
         assert f"pid {lock['pid']}" in second.stderr
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+    finally:  # torchrun stops its workers on SIGTERM (they run in sessions of their own)
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+        leftover = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True)
+        assert not leftover.stdout.strip(), f"workers outlived torchrun: {leftover.stdout}"

@@ -128,6 +128,36 @@ def test_two_node_run_matches_local_columns_and_parity(
     assert set(metrics) <= set(slurm_df.columns[slurm_df.notna().all()])
 
 
+def test_fsdp_bench_run_under_srun_spans_both_nodes(
+    slurm_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    grid = {
+        "name": "srun",
+        "base": {"world_size": 2, "processes_per_node": 1, "measure": QUICK_MEASURE},
+        "axes": {"fsdp.grouping": ["block", "root"]},
+        "launcher": {"collective_timeout_s": 30},
+    }
+    path, results = write_grid(tmp_path, grid), tmp_path / "r"
+    srun = ["srun", "--partition", "debug", "--nodes", "2", "--ntasks-per-node", "1"]
+    command = [
+        *srun,
+        sys.executable,
+        "-m",
+        "fsdp_bench",
+        "run",
+        str(path),
+        "--results",
+        str(results),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "2 runs at world size 2 on 2 node(s), started by srun" in done.stdout
+    df = load_results(results)
+    assert set(df.status) == {"ok"} and len(df) == 2
+    assert all(sorted(h) == ["n1", "n2"] for h in df.hostnames)
+    assert set(df.launcher) == {"srun"}
+
+
 def test_arrays_keep_the_in_flight_limit_and_split_at_max_array_size(
     slurm_cluster: dict[str, str], tmp_path: Path
 ) -> None:

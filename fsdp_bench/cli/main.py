@@ -61,6 +61,12 @@ def _sweep_parser(
     sweep.add_argument("--results", type=Path, help="results folder (default: results/<grid name>)")
     sweep.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
     sweep.add_argument(
+        "--print-launch",
+        metavar="RUN_ID",
+        help="print the torchrun line and sbatch script that measure this run with "
+        "`fsdp-bench run`, and exit",
+    )
+    sweep.add_argument(
         "--status",
         action="store_true",
         help="where every run is (recorded, running, queued, not submitted) and why",
@@ -209,6 +215,9 @@ def _sweep(args: argparse.Namespace) -> int:
     from fsdp_bench.sweep import SweepOptions, results_dir_for, run_sweep
 
     spec = _load_grid(args)
+    if args.print_launch:
+        print(views.describe_launch(spec, args.print_launch, results_dir_for(spec, args.results)))
+        return 0
     if args.dry_run:
         print(views.describe_expansion(spec, args.results))
         return 0
@@ -228,7 +237,9 @@ def _sweep(args: argparse.Namespace) -> int:
     outcome = run_sweep(spec, options)
     if outcome.already_recorded and not args.rerun:
         print(f"{outcome.already_recorded} runs were already recorded (--rerun runs them again)")
-    _print_ranking(outcome.results_dir, outcome.run_ids)
+    best = _print_ranking(outcome.results_dir, outcome.run_ids)
+    if best is not None:
+        print(views.describe_launch(spec, best, outcome.results_dir))
     return 0
 
 
@@ -240,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
     results = results_dir_for(spec, args.results)
     outcome = run_in_place(spec, InPlaceOptions(results, args.verify, tuple(args.only)))
     if outcome.rank == 0 and outcome.run_ids:
-        _print_ranking(results, outcome.run_ids)
+        _print_ranking(results, outcome.run_ids)  # no launch lines: this is one already
     return 0
 
 
@@ -329,7 +340,8 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
         raise err.located("") from None
 
 
-def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
+def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
+    """The ranking of `run_ids` with its notes; the best ok run's id (None: none ok)."""
     from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.report.ties import noise_text
     from fsdp_bench.store import load_results
@@ -348,6 +360,8 @@ def _print_ranking(results_dir: Path, run_ids: list[str]) -> None:
             f"{contended} runs were measured while something else competed for the machine "
             "(contended; see 'contention'); --rerun-contended measures them again"
         )
+    ok = table[table["status"] == "ok"] if "status" in table else table.iloc[0:0]
+    return str(ok["run_id"].iloc[0]) if len(ok) else None
 
 
 if __name__ == "__main__":

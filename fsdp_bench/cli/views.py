@@ -13,7 +13,7 @@ import yaml
 from fsdp_bench.config.grid import SweepSpec, axis_keys, expand, get_path
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
-from fsdp_bench.errors import yaml_scalar
+from fsdp_bench.errors import ConfigError, yaml_scalar
 from fsdp_bench.launch.driver import pack_runs
 from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom
 from fsdp_bench.memory.model_check import check_models
@@ -125,10 +125,20 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def describe_launch(spec: SweepSpec, run_id: str, results: Path) -> str:
+    """For one run of the grid: the torchrun line and sbatch script that measure it again
+    with `fsdp-bench run` (`launch_lines`)."""
+    from fsdp_bench.cli.launch_lines import launch_lines
+
+    runs = {r.run_id: r for r in expand(spec).runs}
+    if run_id not in runs:
+        raise ConfigError(f"--print-launch: {run_id!r} is not a run id of {spec.name}")
+    return "\n".join(launch_lines(spec, runs[run_id], results))
+
+
 def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> str:
     """Counts, the best feasible configuration (YAML and fully_shard calls), the top runs,
     and the Pareto front when two objectives were searched."""
-    from fsdp_bench.cli.codegen import fully_shard_code
     from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.search import best_feasible, pareto_trials
     from fsdp_bench.store import load_results
@@ -165,14 +175,9 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
         lines += _confirmation_lines(confirmation, spec) if confirmation else []
     if outcome.confirm_skipped:
         lines.append(f"no confirmation round: {outcome.confirm_skipped}")
-    run = build(RunConfig, result.config)
     confirmed = confirmation is not None and confirmation.winner is not None
-    lines += [
-        "",
-        f"{'the confirmed best' if confirmed else 'the best feasible'} as a grid base (YAML):",
-        _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
-    ]
-    lines += ["in your training script (Python):", _indent(fully_shard_code(run))]
+    best_name = "the confirmed best" if confirmed else "the best feasible"
+    lines += _reproduce_lines(spec, build(RunConfig, result.config), best_name, outcome.results_dir)
     finished = {str(t.user_attrs["run_id"]) for t in trials if "run_id" in t.user_attrs}
     table = ranking(results, finished)
     lines += [f"top {top} of {len(table)} runs:", format_ranking(table.head(top))]
@@ -184,6 +189,21 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
             *(f"  {run_id}" for run_id in front_ids),
         ]
     return "\n".join(lines)
+
+
+def _reproduce_lines(spec: SweepSpec, run: RunConfig, name: str, results: Path) -> list[str]:
+    """A run as a grid base, as fully_shard calls, and as a torchrun line / sbatch script."""
+    from fsdp_bench.cli.codegen import fully_shard_code
+    from fsdp_bench.cli.launch_lines import launch_lines
+
+    return [
+        "",
+        f"{name} as a grid base (YAML):",
+        _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
+        "in your training script (Python):",
+        _indent(fully_shard_code(run)),
+        *launch_lines(spec, run, results),
+    ]
 
 
 def _tied_lines(

@@ -229,6 +229,8 @@ def timeline_panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.DataFr
     if ok.empty or "memory_timeline" not in ok.columns:
         return []
     ok = ok[ok["memory_timeline"].map(lambda t: isinstance(t, dict) and bool(t.get("points")))]
+    if ok.empty:
+        return []
     ok = ok[(ok["strategy"] != "ddp") & (ok["world_size"] == baseline_value(ok["world_size"]))]
     panels = []
     for axis in TIMELINE_AXES:
