@@ -12,10 +12,11 @@ import torch
 
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.failures import classify, classify_text
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.models import attention_backend, attention_inputs
-from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device
+from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device, rank_info
 from fsdp_bench.job.timing import time_steps
 from fsdp_bench.job.watchdog import Watchdog
 
@@ -125,3 +126,27 @@ def test_attention_inputs_and_backend_on_cpu() -> None:
     assert attention_inputs(q, q, q)[3] is False
     backend = attention_backend(PRESETS["tiny"], 128, torch.float32, torch.device("cpu"))
     assert backend in {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}
+
+
+LAUNCH_VARIABLES = ("SUBMITIT_EXECUTOR", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID")
+
+
+def test_rank_info_reads_torchrun_srun_or_says_what_it_looked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="no launcher environment found: start `fsdp-bench run`"):
+        rank_info()
+    torchrun = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}  # fmt: skip
+    with monkeypatch.context() as env:
+        for name, value in torchrun.items():
+            env.setenv(name, value)
+        assert rank_info() == RankInfo(3, 1, 4, 2, "torchrun-abc", 1, "torchrun")
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
+            "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}  # fmt: skip
+    with monkeypatch.context() as env:
+        for name, value in srun.items():
+            env.setenv(name, value)
+        assert rank_info() == RankInfo(5, 1, 8, 4, "77.0", 0, "srun")
