@@ -241,11 +241,10 @@ def timeline_panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.DataFr
         for value, timeline in zip(runs[axis], runs["memory_timeline"], strict=True):
             label, num_ops = f"{axis}={key(value)}", max(int(timeline["num_ops"]), 1)
             peak = max(timeline["points"], key=lambda p: p[1])
-            points += [
-                {"label": label, "x": i / num_ops, "mib": b / MIB, "where": w, "peak": p is peak}
-                for p in timeline["points"]
-                for i, b, w in [p]
-            ]
+            for point in timeline["points"]:
+                index, num_bytes, where = point
+                row = {"label": label, "x": index / num_ops, "mib": num_bytes / MIB}
+                points.append({**row, "where": where, "peak": point is peak})
             marks += [
                 {"label": label, "x": i / num_ops, "kind": k} for i, k in timeline["collectives"]
             ]
