@@ -3,7 +3,7 @@
 Run it first whenever a machine with a GPU is at hand (about 8 minutes on one H200):
 
     python benchmarks/gpu_check.py --out benchmarks/results/2026-12-01-h200
-    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu-check    # reduced, ~3 min here
+    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu-check    # reduced, ~3.5 min here
 
 It writes `gpu_check.md` (for people) and `gpu_check.json` (every figure) to --out. Each part
 runs through fsdp-bench's own pipeline (grids, local launcher, worker, records) and is
@@ -27,6 +27,7 @@ recorded even when it fails, with its wall time:
   where the tracked memory peaked, and the traces kept (on CUDA the allocator's memory
   snapshot beside the profiler's);
 - eager against `train.compile: block` for one shape: tokens/s, compile_s, parity;
+- `fsdp-bench run` under torchrun (two GPUs when there are two: NCCL through torchrun's store);
 - with two GPUs or more: world size 2 with FSDP and HSDP, an injected hang recorded `timeout`,
   and which device each rank used.
 On CPU (--device cpu) the same parts run on the tiny preset, and the CUDA-only figures
@@ -69,6 +70,11 @@ class Check:
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
+
+    @property
+    def measure(self) -> dict[str, int]:
+        """Timed steps of the parts that report speed; on CPU only enough to keep them working."""
+        return MEASURE if self.on_gpu else {"warmup_steps": 2, "timed_steps": 3, "repeats": 1}
 
     @property
     def num_gpus(self) -> int:
@@ -167,7 +173,12 @@ def models(check: Check) -> dict[str, Any]:
     else:
         axes = [{"model.name": ["tiny"], "fsdp.activation_checkpointing": ["none", "block"]}]
         data = {"micro_batch_size": 2, "seq_len": 128}
-    base = {"world_size": 1, "data": data, "fsdp": {"mixed_precision": "bf16"}, "measure": MEASURE}
+    base = {
+        "world_size": 1,
+        "data": data,
+        "fsdp": {"mixed_precision": "bf16"},
+        "measure": check.measure,
+    }
     return {"runs": rows(sweep(check, "models", base, axes))}
 
 
@@ -208,9 +219,9 @@ def failures_and_isolation(check: Check) -> dict[str, Any]:
 
 
 def harness(check: Check) -> dict[str, Any]:
-    model, seq = ("llama3-1b", "1024") if check.on_gpu else ("tiny", "128")
+    model, seq, rounds = ("llama3-1b", "1024", "2") if check.on_gpu else ("tiny", "128", "1")
     command = [sys.executable, str(REPO / "benchmarks" / "harness_overhead.py"), "--model", model,
-               "--world-size", "1", "--seq-len", seq, "--rounds", "2"]  # fmt: skip
+               "--world-size", "1", "--seq-len", seq, "--rounds", rounds]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     lines = done.stdout.strip().splitlines()
     median = next((line for line in lines if line.startswith("median")), "")
@@ -264,7 +275,7 @@ def compiled(check: Check) -> dict[str, Any]:
         "model": {"name": "llama3-1b" if check.on_gpu else "tiny"},
         "data": {"micro_batch_size": 1, "seq_len": 1024 if check.on_gpu else 128},
         "fsdp": {"mixed_precision": "bf16" if check.on_gpu else "fp32"},
-        "measure": MEASURE,
+        "measure": check.measure,
     }
     df = sweep(check, "compile", base, {"train.compile": ["none", "block"]}, verify=True)
     found = [{k: _plain(v) for k, v in r.items()} for r in
@@ -329,6 +340,29 @@ def _time_both_ways(folder: str) -> dict[str, Any]:
     }
 
 
+def under_torchrun(check: Check) -> dict[str, Any]:
+    """`fsdp-bench run` in processes torchrun started (issue 15): the group meets through
+    torchrun's store, on NCCL with two GPUs or more."""
+    world_size = min(check.num_gpus, 2) if check.on_gpu else 1
+    model = {"name": "llama3-1b", "n_layers": 4} if check.on_gpu else {"name": "tiny"}
+    base = {"world_size": world_size, "model": model, "measure": check.measure}
+    grid = {"name": "torchrun", "base": base, "launcher": {"device": check.device}}
+    path, results = check.out / "torchrun.yaml", check.out / "results" / "torchrun"
+    path.write_text(json.dumps(grid))  # JSON is YAML
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size)]
+    command = [*torchrun, "-m", "fsdp_bench", "run", str(path), "--results", str(results)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    found = load_results(results) if (results / "runs").is_dir() else pd.DataFrame()
+    columns = ["run_id", "status", "world_size", "launcher", "backend", "device",
+               "tokens_per_s", "reason"]  # fmt: skip
+    records = found.reindex(columns=columns).to_dict(orient="records")
+    return {
+        "returncode": done.returncode,
+        "runs": [{k: _plain(v) for k, v in r.items()} for r in records],
+        "stderr_tail": done.stderr.strip().splitlines()[-8:] if done.returncode else [],
+    }
+
+
 def multi_gpu(check: Check) -> dict[str, Any]:
     if check.num_gpus < 2:
         return {"skipped": f"{check.num_gpus} GPU(s): world size 2, HSDP and the hang need 2"}
@@ -354,6 +388,7 @@ PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("timer", timer),
     ("step_breakdown", step_breakdown),
     ("compile", compiled),
+    ("torchrun", under_torchrun),
     ("multi_gpu", multi_gpu),
 ]
 

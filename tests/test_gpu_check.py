@@ -39,5 +39,8 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> Non
     assert [(r["compile"], r["status"], r["parity_ok"]) for r in compile_runs] == [
         ("none", "ok", True), ("block", "ok", True)]  # fmt: skip
     assert parts["compile"]["compiled_over_eager_tokens_per_s"] > 0
+    under = parts["torchrun"]
+    assert under["returncode"] == 0 and [(r["status"], r["launcher"]) for r in under["runs"]] == [
+        ("ok", "torchrun")]  # fmt: skip
     text = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}" in text for name in parts)
