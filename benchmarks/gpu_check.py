@@ -123,6 +123,12 @@ def rows(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def columns_of(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
+    """The records' `columns` (missing ones empty) as plain JSON-ready rows."""
+    records = df.reindex(columns=columns).to_dict(orient="records")
+    return [{k: _plain(v) for k, v in r.items()} for r in records]
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
@@ -254,8 +260,7 @@ def step_breakdown(check: Check) -> dict[str, Any]:
     }  # fmt: skip
     axes = {"world_size": sizes, "fsdp.grouping": ["root", "block"]}
     df = sweep(check, "step_breakdown", base, axes, verify=True)
-    found = [{k: _plain(v) for k, v in r.items()} for r in
-             df.reindex(columns=BREAKDOWN_COLUMNS).to_dict(orient="records")]  # fmt: skip
+    found = columns_of(df, BREAKDOWN_COLUMNS)
     one_rank = [r["exposed_comm_s"] or 0.0 for r in found if r["world_size"] == 1]
     traces = check.out / "results" / "step_breakdown" / "traces"
     kept = sorted(p.name for p in traces.glob("*/rank0*"))  # on CUDA: the memory snapshot too
@@ -278,8 +283,7 @@ def compiled(check: Check) -> dict[str, Any]:
         "measure": check.measure,
     }
     df = sweep(check, "compile", base, {"train.compile": ["none", "block"]}, verify=True)
-    found = [{k: _plain(v) for k, v in r.items()} for r in
-             df.reindex(columns=COMPILE_COLUMNS).to_dict(orient="records")]  # fmt: skip
+    found = columns_of(df, COMPILE_COLUMNS)
     speed = {r["compile"]: r["tokens_per_s"] for r in found if r["status"] == "ok"}
     ratio = speed["block"] / speed["none"] if {"none", "block"} <= speed.keys() else None
     return {"runs": found, "compiled_over_eager_tokens_per_s": ratio}
@@ -355,10 +359,9 @@ def under_torchrun(check: Check) -> dict[str, Any]:
     found = load_results(results) if (results / "runs").is_dir() else pd.DataFrame()
     columns = ["run_id", "status", "world_size", "launcher", "backend", "device",
                "tokens_per_s", "reason"]  # fmt: skip
-    records = found.reindex(columns=columns).to_dict(orient="records")
     return {
         "returncode": done.returncode,
-        "runs": [{k: _plain(v) for k, v in r.items()} for r in records],
+        "runs": columns_of(found, columns),
         "stderr_tail": done.stderr.strip().splitlines()[-8:] if done.returncode else [],
     }
 

@@ -22,7 +22,6 @@ from typing import Any
 from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.worker import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
 from fsdp_bench.launch.verdicts import (
@@ -31,6 +30,7 @@ from fsdp_bench.launch.verdicts import (
     classify_failure,
     explain_from_logs,
     read_notes,
+    unmeasured_record,
 )
 from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
@@ -290,14 +290,7 @@ class Driver:
         self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]
     ) -> None:
         """A record the driver writes itself: a failure, or a run it did not launch."""
-        result = RunResult(
-            run_id=run.run_id,
-            status=status,  # type: ignore[arg-type]
-            config=to_plain(run),
-            reason=reason,
-            **self.estimates.get(run.run_id, EstimatedPeaks())._asdict(),
-            provenance={**provenance, "finished_at": now_iso()},
-        )
+        result = unmeasured_record(run, status, reason, provenance, self.estimates.get(run.run_id))
         self.store.record(result)
         self.announce(result)
 

@@ -23,14 +23,13 @@ import torch.distributed as dist
 
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import ConfigError, ResultsError
 from fsdp_bench.job.failures import handle_scheduler_signals
 from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
 from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
-from fsdp_bench.launch.verdicts import classify_failure, read_notes
+from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
 from fsdp_bench.memory.model_check import run_flops
-from fsdp_bench.store import ResultStore, RunResult, now_iso
+from fsdp_bench.store import ResultStore, now_iso
 
 LOCK_NAME = "run.lock"
 _EXPLAINED = ("oom", "error", "timeout")
@@ -155,16 +154,8 @@ def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> lis
         notes = read_notes(inflight) if inflight.exists() else []
         if any(n["class"] in _EXPLAINED for n in notes):
             verdict = classify_failure(notes, "", "")
-            provenance = {"job_id": info.job_id, "attempt": info.attempt, "finished_at": now_iso()}
-            store.record(
-                RunResult(
-                    run_id=run.run_id,
-                    status=verdict.status,  # type: ignore[arg-type]
-                    config=to_plain(run),
-                    reason=verdict.reason,
-                    provenance=provenance,
-                )
-            )
+            provenance = {"job_id": info.job_id, "attempt": info.attempt}
+            store.record(unmeasured_record(run, verdict.status, verdict.reason, provenance))
             print(f"fsdp-bench run: {run.run_id} {verdict.status}: {verdict.reason}", flush=True)
         else:
             todo.append(run.run_id)

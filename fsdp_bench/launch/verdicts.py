@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.failures import classify_text
+from fsdp_bench.store import EstimatedPeaks, RunResult, now_iso
 
 # Scheduler end states that explain a run's end better than its ranks' last words.
 SCHEDULER_VERDICTS: dict[str, tuple[str, str]] = {
@@ -97,3 +100,22 @@ def read_notes(inflight: Path) -> list[dict[str, Any]]:
         if attempt is None or note.get("attempt") == attempt:
             notes.append(note)
     return notes
+
+
+def unmeasured_record(
+    run: RunConfig,
+    status: str,
+    reason: str,
+    provenance: dict[str, Any],
+    peaks: EstimatedPeaks | None = None,
+) -> RunResult:
+    """The record of a run that ended without its ranks writing one (a failure, or a run
+    not launched), stamped with when it was written."""
+    return RunResult(
+        run_id=run.run_id,
+        status=status,  # type: ignore[arg-type]
+        config=to_plain(run),
+        reason=reason,
+        **(peaks or EstimatedPeaks())._asdict(),
+        provenance={**provenance, "finished_at": now_iso()},
+    )
