@@ -108,10 +108,8 @@ RUN_COLUMNS = [
 
 def rows(df: pd.DataFrame) -> list[dict[str, Any]]:
     """The records as plain rows, with the estimate errors against what was measured."""
-    shown = df.reindex(columns=RUN_COLUMNS)
     out = []
-    for row in shown.to_dict(orient="records"):
-        clean = {k: _plain(v) for k, v in row.items()}
+    for clean in columns_of(df, RUN_COLUMNS):
         measured = clean.get("tracked_peak_gib")
         for estimate in ("estimated_peak_gib", "analytic_peak_gib"):
             value = clean.get(estimate)
@@ -126,7 +124,7 @@ def rows(df: pd.DataFrame) -> list[dict[str, Any]]:
 def columns_of(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
     """The records' `columns` (missing ones empty) as plain JSON-ready rows."""
     records = df.reindex(columns=columns).to_dict(orient="records")
-    return [{k: _plain(v) for k, v in r.items()} for r in records]
+    return [{str(k): _plain(v) for k, v in r.items()} for r in records]
 
 
 def _plain(value: Any) -> Any:

@@ -8,7 +8,8 @@ machine hits each alike. Per pair:
 - same best: whether the two sweeps name the same best run at every world size (the reading
   of a tool that reports medians as exact);
 - best in tie set: whether, at every world size, each sweep's best is the other's best or tied
-  with it (`fsdp_bench.stats.indistinguishable`, the rule behind every "tied with the best");
+  with it among that world size's runs (`fsdp_bench.report.ties.tied_with`, as the best per
+  world size in summary.md lists them);
 - contended: runs of the two sweeps recorded `contended` (something else ran beside them);
 - between: the median over runs of |log(tokens/s in A / in B)|, in percent: how much one run's
   figure moves from one sweep to the next; inside CI: how often B's median lies in A's 95%
@@ -113,13 +114,18 @@ def compare(a: pd.DataFrame, b: pd.DataFrame) -> dict[str, Any]:
     tau = kendall_tau_b([float(ok_a[i]) for i in both], [float(ok_b[i]) for i in both])
     best_a, best_b = best_ids(a), best_ids(b)
     same = best_a == best_b
+
+    def tie_set(df: pd.DataFrame, size: int, best: str) -> set[str]:
+        """The best and its ties among the runs of its world size, as summary.md lists them."""
+        return {best, *tied_with(df[df["world_size"] == size], best)}
+
     in_ties = all(
-        best_b.get(size) in {best, *tied_with(a, best)}
-        and best in {best_b.get(size), *tied_with(b, str(best_b.get(size)))}
+        best_b.get(size) in tie_set(a, size, best)
+        and best in tie_set(b, size, str(best_b.get(size)))
         for size, best in best_a.items()
     )
-    tie_sizes = [len(tied_with(df, best)) + 1 for df, bests in ((a, best_a), (b, best_b))
-                 for best in bests.values()]  # fmt: skip
+    tie_sizes = [len(tie_set(df, size, best)) for df, bests in ((a, best_a), (b, best_b))
+                 for size, best in bests.items()]  # fmt: skip
     contended = sum(int(df["contended"].eq(True).sum()) for df in (a, b) if "contended" in df)
     ratios = [float(ok_a[i]) / float(ok_b[i]) for i in both]
     low = a.set_index("run_id").loc[both, "tokens_per_s_ci_low"]

@@ -41,9 +41,9 @@ from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec, expand, load_grid, parse_grid
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.run import RunConfig, SamplerName
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.launch.local import ALIVE_STATES
+from fsdp_bench.launch.base import ALIVE_STATES
 from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.search import SearchOptions, run_search
 from fsdp_bench.store import ResultStore, RunResult
@@ -201,7 +201,7 @@ def modelled_tokens_per_s(run: RunConfig) -> float:
     return w * tokens_per_rank / step
 
 
-def replay(table: Table, sampler: str, prune: bool, seed: int) -> Outcome:
+def replay(table: Table, sampler: SamplerName, prune: bool, seed: int) -> Outcome:
     """One search through the real loop, answered from the table; trials: the grid's size."""
     size = len(table.records)
     search = dataclasses.replace(  # runs until the best was launched: no confirmation round
@@ -240,7 +240,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=REPO / "results" / "search-efficiency",
                         help="where the tables are kept between invocations")  # fmt: skip
     args = parser.parse_args()
-    strategies = [("TPE + constraints + pruning", "tpe", True),
+    strategies: list[tuple[str, SamplerName, bool]] = [("TPE + constraints + pruning", "tpe", True),
                   ("TPE + constraints, no pruning", "tpe", False),
                   ("random search", "random", False)]  # fmt: skip
     work: Path = args.work

@@ -26,6 +26,9 @@ GROUPING_HELP = (
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 HF_PREFIX = "hf:"
 
+SamplerName = Literal["tpe", "random", "grid", "gp"]
+"""The optuna samplers `search.sampler` allows."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -359,7 +362,7 @@ class SearchConfig:
     """Trials in the study (a rerun with more trials continues it)."""
     parallel: int = 1
     """Trials in flight at once on the launcher."""
-    sampler: Literal["tpe", "random", "grid", "gp"] = "tpe"
+    sampler: SamplerName = "tpe"
     seed: int | None = None
     multi_objective: bool = False
     """Optimise the metric and peak memory together; report the Pareto front."""

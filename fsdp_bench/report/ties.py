@@ -66,8 +66,8 @@ def noise_text(df: pd.DataFrame) -> str:
         )
     return (
         f"{found.pct:.1f}% per pass, standard deviation (pooled over {found.runs} runs, "
-        f"{found.df} degrees of freedom); runs a 95% t-test on their passes cannot tell apart "
-        "are tied"
+        f"{found.df} degrees of freedom); runs a t-test on their passes cannot tell from the "
+        "best are tied (at 5% over all comparisons with the best, Bonferroni)"
     )
 
 
@@ -84,10 +84,11 @@ def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
         return []
     passes = noise(rows)
     others = rows.drop(index=run_id).sort_values("tokens_per_s", ascending=False)
+    competing = [(str(o["run_id"]), e) for _, o in others.iterrows() if (e := estimate(o))]
     return [
-        str(other["run_id"])
-        for _, other in others.iterrows()
-        if (found := estimate(other)) is not None and indistinguishable(best, found, passes)
+        other_id
+        for other_id, found in competing
+        if indistinguishable(best, found, passes, comparisons=len(competing))
     ]
 
 

@@ -165,7 +165,9 @@ def decide(
     winner, others = competing[0], competing[1:]
     outcome.winner = winner
     noise = pass_noise([c.estimate for c in competing])
-    outcome.tied = [c for c in others if indistinguishable(winner.estimate, c.estimate, noise)]
+    outcome.tied = [
+        c for c in others if indistinguishable(winner.estimate, c.estimate, noise, len(others))
+    ]
     return outcome
 
 
