@@ -84,7 +84,9 @@ def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
         return []
     passes = noise(rows)
     others = rows.drop(index=run_id).sort_values("tokens_per_s", ascending=False)
-    competing = [(str(o["run_id"]), e) for _, o in others.iterrows() if (e := estimate(o))]
+    competing = [
+        (str(o["run_id"]), e) for _, o in others.iterrows() if (e := estimate(o)) is not None
+    ]
     return [
         other_id
         for other_id, found in competing
