@@ -75,22 +75,16 @@ def tied_with(df: pd.DataFrame, run_id: str) -> list[str]:
     """The ok runs of `df` other than `run_id` that cannot be told apart from it, fastest
     first."""
     rows = df.drop_duplicates("run_id").set_index("run_id", drop=False)
-    if run_id not in rows.index:
-        return []
-    row = rows.loc[run_id]
-    assert isinstance(row, pd.Series)  # run ids are unique after drop_duplicates
-    best = estimate(row)
+    ordered = rows.sort_values("tokens_per_s", ascending=False)
+    found = {str(i): e for i, r in ordered.iterrows() if (e := estimate(r)) is not None}
+    best = found.pop(str(run_id), None)
     if best is None:
         return []
-    passes = noise(rows)
-    others = rows.drop(index=run_id).sort_values("tokens_per_s", ascending=False)
-    competing = [
-        (str(o["run_id"]), e) for _, o in others.iterrows() if (e := estimate(o)) is not None
-    ]
+    passes = pass_noise([best, *found.values()])
     return [
         other_id
-        for other_id, found in competing
-        if indistinguishable(best, found, passes, comparisons=len(competing))
+        for other_id, other in found.items()
+        if indistinguishable(best, other, passes, comparisons=len(found))
     ]
 
 
