@@ -5,7 +5,11 @@ Run it first whenever a machine with a GPU is at hand (about 8 minutes on one H2
     python benchmarks/gpu_check.py --out benchmarks/results/2026-12-01-h200
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu-check    # reduced, ~3.5 min here
 
-It writes `gpu_check.md` (for people) and `gpu_check.json` (every figure) to --out. Each part
+On the lent device machine (no registry there, few files back, a 10-minute call) it runs as
+`benchmarks/gpu_check_device.sh run`, which brings the report, the log and the records back.
+
+It writes `gpu_check.md` (for people) and `gpu_check.json` (every figure) to --out, again after
+every part, so a check stopped by a time limit keeps what it measured. Each part
 runs through fsdp-bench's own pipeline (grids, local launcher, worker, records) and is
 recorded even when it fails, with its wall time:
 
@@ -423,6 +427,12 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="default: cuda when available")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="run only these parts")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no part after this many seconds; the parts left are reported as skipped",
+    )
     args = parser.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check = Check(out=args.out.resolve(), device=device)
@@ -432,26 +442,36 @@ def main() -> int:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
         "device": device,
+        "device_name": device,
         "parts": {},
     }
     for name, part in PARTS:
         if args.only and name not in args.only:
             continue
         began = time.perf_counter()
-        try:
-            result = part(check)
-        except Exception:  # a part that fails is reported; the others still run
-            result = {"error": traceback.format_exc()[-3000:]}
+        result: dict[str, Any]
+        if args.budget_s is not None and began - started > args.budget_s:
+            result = {"skipped": f"the time budget ({args.budget_s:g} s) was spent"}
+        else:
+            try:
+                result = part(check)
+            except Exception:  # a part that fails is reported; the others still run
+                result = {"error": traceback.format_exc()[-3000:]}
         result["wall_s"] = time.perf_counter() - began
         report["parts"][name] = result
+        if name == "environment" and "device" in result:
+            report["device_name"] = result["device"]
+        report["wall_s"] = time.perf_counter() - started
+        write_report(check.out, report)  # after every part: a killed check keeps what it did
         print(f"gpu_check: {name} done in {result['wall_s']:.0f} s", flush=True)
-    report["wall_s"] = time.perf_counter() - started
-    report["device_name"] = report["parts"].get("environment", {}).get("device", device)
-    (check.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (check.out / "gpu_check.md").write_text(markdown(report))
     print(f"gpu_check: {check.out / 'gpu_check.md'}")
     failed = [n for n, p in report["parts"].items() if "error" in p]
     return 1 if failed else 0
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

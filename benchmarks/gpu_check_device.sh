@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check as one call of the lent device machine, where nothing can be installed from a
+# registry and the files that come back are few (8 at most, 2 folders down).
+#
+#   benchmarks/gpu_check_device.sh fetch   # here, once per checkout: submitit's wheel into .whl/
+#   benchmarks/gpu_check_device.sh run     # there: the device tool's command, with carry [".whl"]
+#   benchmarks/gpu_check_device.sh run --only models parity   # a rerun of some parts
+#
+# `run` installs the carried wheels beside the machine's own torch, runs gpu_check.py with a
+# time budget under a hard timeout, and leaves in $OUT: gpu_check.md, gpu_check.json, the log,
+# nvidia-smi's view, and the records (results without traces) as one tar file.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+fetch)
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+  # submitit is pure Python; its needs (cloudpickle, typing_extensions) are on the machine.
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp -d .whl 'submitit==1.5.4'
+  ls .whl
+  ;;
+run)
+  : "${OUT:?run this on the device machine, where OUT is set}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  work=/tmp/gpu-check
+  # 420 s of parts started, 540 s at most in all: the call's limit is 600 s.
+  shift
+  timeout -k 10 540 python3 benchmarks/gpu_check.py --out "$work" --budget-s 420 "$@" \
+    2>&1 | tee "$OUT/gpu_check.log"
+  status=${PIPESTATUS[0]}
+  cp "$work"/gpu_check.md "$work"/gpu_check.json "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/records.tar.gz" -C "$work" --exclude=traces --exclude='*.pickle' results \
+    2>/dev/null
+  exit "$status"
+  ;;
+*)
+  echo "usage: $0 fetch|run" >&2
+  exit 2
+  ;;
+esac
