@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,8 +28,16 @@ def test_an_int_reshard_shares_one_post_forward_mesh_per_job() -> None:
                 id(group.post_forward_mesh_info)
                 for module in model.modules()
                 if isinstance(module, FSDPModule)
-                for group in module._get_fsdp_state()._fsdp_param_groups
+                for group in param_groups(module)
             }
             assert plan.num_groups == 5 and len(infos) == 1
             created.append(len(dist.distributed_c10d._world.pg_map) - before)
     assert created == [2, 0]  # the 2-D post-forward mesh's two groups, once
+
+
+def param_groups(module: FSDPModule) -> list[Any]:
+    """A module's FSDP2 parameter groups: a list in torch 2.13, one or None in 2.11."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

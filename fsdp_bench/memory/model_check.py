@@ -156,12 +156,16 @@ def _attention_flops() -> dict[Any, Any]:
     """Model FLOPs of fused attention: the forward's two products, and twice that backward
     (the convention of MFU and of the presets' formula, full rather than causal attention).
     torch's own table counts the backward kernels' recomputation of the scores too (hardware
-    FLOPs, 2.5x the forward) and leaves the CPU flash kernels out altogether."""
+    FLOPs, 2.5x the forward) and leaves the CPU flash kernels out altogether. Counted from the
+    shapes here: torch 2.11's own formula refuses grouped-query attention."""
     import torch
-    from torch.utils import flop_counter
 
     def forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-        return int(flop_counter.sdpa_flop_count(query, key, value))  # shapes, not tensors
+        # Shapes, not tensors: (batch, query heads, query length, head dim); key and value
+        # may have fewer heads (GQA), each shared by a group of query heads.
+        batch, heads, query_len, head_dim = query
+        key_len, value_dim = key[-2], value[-1]
+        return 2 * batch * heads * query_len * key_len * (head_dim + value_dim)
 
     def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
         return 2 * forward(query, key, value)
