@@ -80,7 +80,7 @@ def test_extrapolation_matches_full_simulation() -> None:
     ]
     # The full simulations first, so the two processes share the long ones.
     items = [(run, False) for run in runs] + [(run, True) for run in runs]
-    found = dict(in_subprocesses(simulated, items, workers=2))
+    found = dict(in_subprocesses(simulated, items, user_code=False))
     for index, fsdp in enumerate(configs):
         (full_method, full_peak), (fast_method, fast_peak) = found[index], found[index + 4]
         assert fast_method.startswith("extrapolated") and full_method == "full"

@@ -78,7 +78,6 @@ def estimate_runs(
     runs: list[RunConfig],
     cache_dir: Path | None,
     *,
-    workers: int | None = None,
     on_estimate: Callable[[RunEstimate], None] | None = None,
 ) -> dict[str, RunEstimate]:
     """Estimates of every run, from the cache where present, else simulated in parallel."""
@@ -90,7 +89,7 @@ def estimate_runs(
             found[run.run_id] = cached
         else:
             missing.append(run)
-    for estimate in _compute(missing, workers):
+    for estimate in _compute(missing):
         found[estimate.run_id] = estimate
         if cache_dir is not None and not estimate.error:
             write_atomic(cache_dir / f"{estimate.run_id}.json", json.dumps(asdict(estimate)))
@@ -99,8 +98,11 @@ def estimate_runs(
     return found
 
 
-def _compute(runs: list[RunConfig], workers: int | None) -> Iterator[RunEstimate]:
-    return (estimate for _, estimate in in_subprocesses(estimate_run, runs, workers))
+def _compute(runs: list[RunConfig]) -> Iterator[RunEstimate]:
+    """A user's models in fresh processes, which import their code as it is now."""
+    for user_code in (False, True):
+        group = [run for run in runs if run.model.is_user_model == user_code]
+        yield from (e for _, e in in_subprocesses(estimate_run, group, user_code=user_code))
 
 
 def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:

@@ -72,7 +72,7 @@ def check_models(runs: list[RunConfig]) -> dict[str, ModelFacts]:
         for key, (model, seqs) in wanted.items()
         if key not in _checked or not seqs <= _checked[key].flops_per_token.keys()
     ]
-    outcomes = dict(in_subprocesses(check_model, missing))
+    outcomes = dict(in_subprocesses(check_model, missing, user_code=True))
     for index, (model, _) in enumerate(missing):
         outcome = outcomes[index]
         if isinstance(outcome, str):
