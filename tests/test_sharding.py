@@ -8,11 +8,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import wrap_on_meta
-from fsdp_bench.memory.fake import fake_world
+from fsdp_bench.job.tracker import TensorMemoryTracker
+from fsdp_bench.memory.fake import fake_tensors, fake_world
 
 
 def test_an_int_reshard_shares_one_post_forward_mesh_per_job() -> None:
@@ -41,3 +43,21 @@ def param_groups(module: FSDPModule) -> list[Any]:
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def test_dtensor_shape_propagation_is_not_counted_as_memory() -> None:
+    """DTensor runs each new operator once on fake tensors of the global shape to learn its
+    output's; torch 2.11's MemTracker counted them (an FSDP2 AdamW step's moments at their
+    unsharded size). Only the shards, 1/8 of the global tensor here, may count."""
+    shard_bytes = 256 * 384 * 4
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (8,))
+        with fake_tensors():
+            x = distribute_tensor(torch.empty(8 * 256, 384), mesh, [Shard(0)])
+            tracker = TensorMemoryTracker()
+            with tracker:
+                y = torch.sqrt(x) * 3  # shapes no earlier test propagated: not cached
+                total = torch._foreach_add([x, y], 1.0)
+                del y, total
+    peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    assert peak <= 4 * shard_bytes, f"{peak} bytes: the global {8 * shard_bytes} was counted"

@@ -140,7 +140,7 @@ def profile_step(
     on CUDA with a trace path, the allocator's history is saved beside the trace).
 
     Memory is the tensor-level peak in steady state (the model must have stepped already, so
-    that optimizer state exists), from torch's MemTracker, which follows every storage
+    that optimizer state exists), from torch's MemTracker (`tracker`), which follows every storage
     (including FSDP2's resized unsharded parameters) without touching FSDP's hooks. Not
     FSDPMemTracker: it re-registers FSDP's forward hooks per module, which changes the
     schedule of list-form groups (`blocks:K`, a tied embedding and head): 9 all-gathers
@@ -148,9 +148,9 @@ def profile_step(
     The tracker treats a second root forward as a new iteration; its per-module statistics
     are cleared between micro-batches (the peak survives).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from fsdp_bench.job.tracker import TensorMemoryTracker
 
-    tracker = MemTracker()
+    tracker = TensorMemoryTracker()
     tracker.track_external(model, optimizer)
     step = make_train_step(
         model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
