@@ -116,7 +116,9 @@ def test_a_second_invocation_on_a_busy_folder_is_refused(tmp_path: Path) -> None
     path = write_grid(tmp_path, grid("busy", {"data.seed": [0]}, world_size=1,
                                      measure={**MEASURE, "timed_steps": 100_000}))  # fmt: skip
     results = tmp_path / "r"
-    args = ["--nnodes", "1", "--nproc_per_node", "1"]
+    # Each its own free port (torch 2.11's torchrun takes 29500 for both otherwise, and the
+    # second fails to bind before fsdp-bench runs)
+    args = ["--standalone", "--nproc_per_node", "1"]
     first = torchrun(args, path, results, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
