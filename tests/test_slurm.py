@@ -21,7 +21,6 @@ import pytest
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import load_grid
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.launch.slurm import squeue_states
 from tests.conftest import QUICK_MEASURE, REPO, started_counts, sweep, write_grid
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -69,7 +68,8 @@ class Background(threading.Thread):
 
 
 class QueueWatcher(Background):
-    """Samples squeue while a sweep runs: the most jobs of ours queued or running at once."""
+    """Samples squeue while a sweep runs: the most jobs of ours of world size 2 queued or
+    running at once (the time-limit sweep's job of world size 1 is alive meanwhile)."""
 
     def __init__(self) -> None:
         super().__init__(self._watch)
@@ -80,13 +80,20 @@ class QueueWatcher(Background):
 
     def _watch(self) -> None:
         while not self._done.is_set():
-            self.most = max(self.most, len(squeue_states()))
+            self.most = max(self.most, len(_alive_jobs("fsdp-bench-w2")))
             self.samples += 1
             time.sleep(0.2)
 
     def stop(self) -> None:
         self._done.set()
         self.finish(timeout_s=30)
+
+
+def _alive_jobs(name: str) -> list[str]:
+    """Ids of this user's queued or running jobs (array tasks one by one) called `name`."""
+    command = ["squeue", "--me", "--noheader", "--array", "--name", name, "--format=%i"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+    return output.stdout.split()
 
 
 def ledger(results: Path) -> list[dict[str, Any]]:
@@ -163,7 +170,7 @@ def test_arrays_keep_the_in_flight_limit_and_split_at_max_array_size(
 ) -> None:
     grid = slurm_grid(
         "array",
-        {"data.seed": list(range(6))},
+        {"data.seed": list(range(4))},
         launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1, "max_array_size": 2},
         measure={"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
     )
@@ -173,14 +180,14 @@ def test_arrays_keep_the_in_flight_limit_and_split_at_max_array_size(
         outcome, _ = sweep(tmp_path, grid)
     finally:
         watcher.stop()
-    assert outcome.statuses == {"ok": 6}
+    assert outcome.statuses == {"ok": 4}
     assert watcher.samples > 10 and 1 <= watcher.most <= 2
     job_ids = [e["job_id"] for e in ledger(tmp_path / "results")]
     tasks_per_array: dict[str, int] = {}
     for job_id in job_ids:
         array = job_id.split("_")[0]
         tasks_per_array[array] = tasks_per_array.get(array, 0) + 1
-    assert len(job_ids) == 6 and any("_" in j for j in job_ids), f"no job arrays: {job_ids}"
+    assert len(job_ids) == 4 and any("_" in j for j in job_ids), f"no job arrays: {job_ids}"
     assert max(tasks_per_array.values()) == 2, tasks_per_array
     assert set(started_counts(tmp_path / "results").values()) == {1}
 
@@ -209,14 +216,30 @@ def test_scancel_is_recorded_cancelled_and_the_rest_finish(
     assert (df.drop(index=victim).status == "ok").all() and len(df) == 3
 
 
-def test_slurm_time_limit_is_a_timeout(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_sweep(
+    slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Background:
+    """A sweep whose one job hangs (asleep) until Slurm's shortest time limit, one minute,
+    ends it 60-90 s later: started with the module's first test, so the tests before
+    `test_slurm_time_limit_is_a_timeout` use that time. They start once its job is submitted:
+    two estimates at once in one process would share torch's one (fake) process group."""
     grid = slurm_grid(
         "timelimit",
         {"fault.kind": ["hang"]},
         launcher={"timeout_min": 1, "collective_timeout_s": 600},
         world_size=1,
     )
-    outcome, df = sweep(tmp_path, grid)
+    folder = tmp_path_factory.mktemp("timelimit")
+    thread = Background(sweep, folder, grid)
+    thread.start()
+    submitted = folder / "results" / "jobs" / "ledger.json"
+    wait_for(submitted.exists, 120, "the time-limit job's submission", thread)
+    return thread
+
+
+def test_slurm_time_limit_is_a_timeout(time_limit_sweep: Background) -> None:
+    outcome, df = time_limit_sweep.finish(timeout_s=400)
     assert outcome.statuses == {"timeout": 1}
     assert "Slurm TIMEOUT" in df.iloc[0].reason
     assert df.iloc[0].job_state == "TIMEOUT"
@@ -259,7 +282,7 @@ def test_killed_driver_resumes_without_resubmitting(
 ) -> None:
     grid = slurm_grid(
         "resume",
-        {"data.seed": list(range(6))},
+        {"data.seed": list(range(4))},
         launcher={"max_jobs_in_flight": 2, "max_runs_per_job": 1},
         measure={"warmup_steps": 1, "timed_steps": 10, "repeats": 1},
     )
@@ -276,14 +299,14 @@ def test_killed_driver_resumes_without_resubmitting(
 
     status = subprocess.run([*command, "--status"], cwd=REPO, env=env, capture_output=True,
                             text=True, check=True).stdout  # fmt: skip
-    assert len(status.strip().splitlines()) == 1 + 6 + 1
+    assert len(status.strip().splitlines()) == 1 + 4 + 1
     assert re.search(r"\d+ ok", status.splitlines()[-1])
 
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=400)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     df = load_results(results)
-    assert len(df) == 6 and set(df.status) == {"ok"}
+    assert len(df) == 4 and set(df.status) == {"ok"}
     assert set(started_counts(results).values()) == {1}, "no run ran twice"
     submitted = [run_id for entry in ledger(results) for run_id in entry["run_ids"]]
     assert sorted(submitted) == sorted(df.run_id), "no run was submitted twice"
@@ -310,7 +333,7 @@ def test_search_keeps_parallel_trials_in_flight(
         measure={"warmup_steps": 1, "timed_steps": 8, "repeats": 1},
     )
     grid["search"] = {
-        "trials": 6,
+        "trials": 4,
         "parallel": 2,
         "sampler": "random",
         "seed": 4,
@@ -323,7 +346,7 @@ def test_search_keeps_parallel_trials_in_flight(
         outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
     finally:
         watcher.stop()
-    assert outcome.counts["launched"] >= 4
+    assert outcome.counts["launched"] >= 3
     assert watcher.most == 2, "two trials in flight at once, never more"
-    assert len(outcome.study.trials) == 6
+    assert len(outcome.study.trials) == 4
     assert set(started_counts(tmp_path / "r").values()) == {1}
