@@ -234,8 +234,12 @@ def harness(check: Check) -> dict[str, Any]:
     lines = done.stdout.strip().splitlines()
     median = next((line for line in lines if line.startswith("median")), "")
     ratio = float(median.split()[3]) if median else None
+    ranks_on = next((line.rpartition("ranks on ")[2] for line in lines if "ranks on " in line), "")
+    if check.on_gpu and done.returncode == 0 and ranks_on != "cuda":
+        raise RuntimeError(f"the harness's ranks ran on {ranks_on or 'an unknown device'}")
     return {
         "returncode": done.returncode,
+        "ranks_on": ranks_on,
         "ratio_of_medians": ratio,
         "output": lines[-6:],
         "stderr_tail": done.stderr.strip().splitlines()[-5:] if done.returncode else [],

@@ -76,8 +76,9 @@ def bare_step_time(run: RunConfig, device: torch.device, steps: int, repeats: in
     return statistics.median(slowest.tolist())
 
 
-def compare(run: RunConfig, rounds: int, results_dir: str) -> list[tuple[float, float]]:
-    """Runs in every rank; returns (bare, fsdp-bench) median step times per round."""
+def compare(run: RunConfig, rounds: int, results_dir: str) -> tuple[list[tuple[float, float]], str]:
+    """Runs in every rank; returns (bare, fsdp-bench) median step times per round, and the
+    rank's device."""
     info = rank_info()
     device = pick_device("auto", info.local_rank)
     if device.type == "cpu":
@@ -100,7 +101,7 @@ def compare(run: RunConfig, rounds: int, results_dir: str) -> list[tuple[float, 
                 measured[which] = statistics.median(slowest.tolist())
         pairs.append((measured["bare"], measured["harness"]))
     barrier_and_destroy()
-    return pairs
+    return pairs, device.type
 
 
 def main() -> int:
@@ -118,12 +119,15 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory() as folder:
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(tasks_per_node=args.world_size, nodes=1, timeout_min=60)
-        pairs = executor.submit(compare, run, args.rounds, folder).results()[0]
+        # submitit hides every GPU from a local job that asks for none (CUDA_VISIBLE_DEVICES="")
+        gpus = args.world_size if torch.cuda.is_available() else 0
+        executor.update_parameters(
+            tasks_per_node=args.world_size, nodes=1, timeout_min=60, gpus_per_node=gpus
+        )
+        pairs, device = executor.submit(compare, run, args.rounds, folder).results()[0]
     print(
         f"model {args.model}, world size {args.world_size}, seq {args.seq_len}, "
-        f"micro-batch 2, block grouping, AdamW; {torch.__version__}, "
-        f"{'CUDA' if torch.cuda.is_available() else 'CPU'}"
+        f"micro-batch 2, block grouping, AdamW; {torch.__version__}, ranks on {device}"
     )
     print("round  bare s/step  fsdp-bench s/step  ratio")
     for index, (bare, harness) in enumerate(pairs):

@@ -39,6 +39,7 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> Non
     assert parts["failures"]["injected_oom_recorded_as"] == ["oom"]
     assert parts["failures"]["twins_same_peak"]
     assert parts["harness"]["returncode"] == 0 and parts["harness"]["ratio_of_medians"] > 0
+    assert parts["harness"]["ranks_on"] == "cpu"
     assert parts["timer"]["skipped"] and parts["multi_gpu"]["skipped"]
     breakdown = parts["step_breakdown"]["runs"]
     assert {(r["world_size"], r["status"]) for r in breakdown} == {(1, "ok"), (2, "ok")}

@@ -117,7 +117,6 @@ def check_confirmation(outcome: Any, spec: Any, folder: Path) -> None:
 @pytest.mark.slow
 def test_search_resumes_after_a_kill_without_repeating(tmp_path: Path) -> None:
     grid = {**GRID, "search": {"trials": 4, "seed": 2, "confirm_top_k": 0}}
-    grid["base"] = {**GRID["base"], "measure": {"warmup_steps": 2, "timed_steps": 8, "repeats": 2}}
     path = write_grid(tmp_path, grid)
     results = tmp_path / "r"
     command = [sys.executable, "-m", "fsdp_bench", "search", str(path), "--results",
