@@ -65,10 +65,13 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     if launcher.kind == "local":  # nothing computes beside a run an earlier driver left timing
         Driver(store, ledger, spec, options.verify).wait_for(launcher, watched)
         _note_other_jobs(launcher)
-    check_models(runs)  # a broken model stops here: nothing launched, nothing written
+    # A broken model stops here: nothing launched, nothing written. A rerun also checks and
+    # estimates a user's model again, which may import files its digest does not cover.
+    check_models(runs, again=options.rerun)
     store.save_grid(spec.source)
     if options.rerun:
         _set_aside(store, [r.run_id for r in runs])
+        _forget_estimates(store, [r.run_id for r in runs if r.model.is_user_model])
     elif options.rerun_contended:
         _set_aside(store, [r.run_id for r in runs if _contended(store.get(r.run_id))])
     done = store.done_ids()
@@ -236,6 +239,13 @@ def _note_other_jobs(launcher: Launcher) -> None:
 
 def _contended(result: RunResult | None) -> bool:
     return result is not None and result.contended is True
+
+
+def _forget_estimates(store: ResultStore, run_ids: list[str]) -> None:
+    """A cached estimate is keyed by the file that `model.name` names, not by the files that
+    one imports: a rerun estimates again."""
+    for run_id in run_ids:
+        (store.root / "estimates" / f"{run_id}.json").unlink(missing_ok=True)
 
 
 def _set_aside(store: ResultStore, run_ids: list[str]) -> None:

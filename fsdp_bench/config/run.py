@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from fsdp_bench.config.measure import MeasureConfig
@@ -100,6 +101,12 @@ class ModelConfig:
     @property
     def is_hf_model(self) -> bool:
         return self.name.startswith(HF_PREFIX)
+
+    @property
+    def hf_config_file(self) -> Path:
+        """The config.json a `hf:` name points at (the path itself, or config.json inside it)."""
+        path = Path(self.name[len(HF_PREFIX) :]).expanduser()
+        return path / "config.json" if path.is_dir() else path
 
     @property
     def shape(self) -> ModelShape:

@@ -10,10 +10,9 @@ here and only when a grid names such a model.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from fsdp_bench.config.run import HF_PREFIX, ModelConfig
+from fsdp_bench.config.run import ModelConfig
 from fsdp_bench.errors import ConfigError, one_line
 
 
@@ -27,16 +26,10 @@ def import_transformers() -> Any:
     return transformers
 
 
-def config_file(config: ModelConfig) -> Path:
-    """The config.json a `hf:` name points at (the path itself, or config.json inside it)."""
-    path = Path(config.name[len(HF_PREFIX) :]).expanduser()
-    return path / "config.json" if path.is_dir() else path
-
-
 def read_hf_config(config: ModelConfig) -> Any:
     """The model's `PretrainedConfig`, overrides applied; one line naming what is wrong."""
     transformers = import_transformers()
-    path = config_file(config)
+    path = config.hf_config_file
     where = f"model.name: {config.name}"
     try:
         data = json.loads(path.read_text())

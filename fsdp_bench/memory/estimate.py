@@ -15,6 +15,7 @@ from pathlib import Path
 from fsdp_bench import __version__
 from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
+from fsdp_bench.memory.model_check import source_digest
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
@@ -42,6 +43,8 @@ class RunEstimate:
     wall_s: float = 0.0
     error: str = ""
     """Why the simulation failed (the run is then neither pruned nor compared)."""
+    model_source: str = ""
+    """A user model's source digest when estimated: an edited model is estimated again."""
     version: str = CACHE_VERSION
 
     @property
@@ -83,13 +86,15 @@ def estimate_runs(
     """Estimates of every run, from the cache where present, else simulated in parallel."""
     found: dict[str, RunEstimate] = {}
     missing = []
+    sources = {run.run_id: source_digest(run.model) for run in runs}
     for run in runs:
         cached = _read_cache(cache_dir, run.run_id)
-        if cached is not None:
+        if cached is not None and cached.model_source == sources[run.run_id]:
             found[run.run_id] = cached
         else:
             missing.append(run)
     for estimate in _compute(missing):
+        estimate.model_source = sources[estimate.run_id]
         found[estimate.run_id] = estimate
         if cache_dir is not None and not estimate.error:
             write_atomic(cache_dir / f"{estimate.run_id}.json", json.dumps(asdict(estimate)))

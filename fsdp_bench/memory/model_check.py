@@ -14,9 +14,12 @@ counted, since the model is counted unwrapped: MFU measures useful work, as for 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.run import ModelConfig, RunConfig
@@ -42,7 +45,7 @@ class ModelFacts:
 
 
 _checked: dict[str, ModelFacts] = {}
-"""Facts by model key and sequence lengths, for the life of the driver process."""
+"""Facts by model key (its settings and source digest), for the life of the driver process."""
 
 
 def run_flops(runs: list[RunConfig]) -> dict[str, Flops]:
@@ -60,34 +63,75 @@ def run_flops(runs: list[RunConfig]) -> dict[str, Flops]:
     return out
 
 
-def check_models(runs: list[RunConfig]) -> dict[str, ModelFacts]:
+def check_models(runs: list[RunConfig], *, again: bool = False) -> dict[str, ModelFacts]:
     """The facts of every distinct non-preset model of `runs` at their sequence lengths,
-    checked in fresh processes (torch and the user's code stay out of the driver)."""
+    checked in fresh processes (torch and the user's code stay out of the driver, which
+    would keep the module as first imported). `again`: whatever this process found before."""
     wanted: dict[str, tuple[ModelConfig, set[int]]] = {}
     for run in runs:
         if run.model.is_user_model:
             wanted.setdefault(_key(run.model), (run.model, set()))[1].add(run.data.seq_len)
-    missing = [
-        (model, sorted(seqs))
+    missing = {
+        key: (model, sorted(seqs))
         for key, (model, seqs) in wanted.items()
-        if key not in _checked or not seqs <= _checked[key].flops_per_token.keys()
-    ]
-    outcomes = dict(in_subprocesses(check_model, missing, user_code=True))
-    for index, (model, _) in enumerate(missing):
+        if again or key not in _checked or not seqs <= _checked[key].flops_per_token.keys()
+    }
+    outcomes = dict(in_subprocesses(check_model, list(missing.values()), user_code=True))
+    for index, key in enumerate(missing):
         outcome = outcomes[index]
         if isinstance(outcome, str):
             raise ConfigError(outcome)
-        _checked[_key(model)] = outcome
+        _checked[key] = outcome
     return {key: _checked[key] for key in wanted}
 
 
 def _key(model: ModelConfig) -> str:
-    return json.dumps(to_plain(model), sort_keys=True)
+    return json.dumps([to_plain(model), source_digest(model)], sort_keys=True)
+
+
+def source_digest(model: ModelConfig) -> str:
+    """A digest of the file a user's model is read from, as it is now: the module `model.name`
+    imports, or the `hf:` config.json. The model check's memo and the cached estimates are
+    keyed by it, so a model edited between two sweeps of one process (a notebook) or of one
+    results folder is checked and estimated again. Files that module imports in turn are not
+    followed. "" for presets and for a file not found (the check then says why)."""
+    if not model.is_user_model:
+        return ""
+    path = model.hf_config_file if model.is_hf_model else _module_file(model.name.split(":")[0])
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path else ""
+    except OSError:
+        return ""
+
+
+def _module_file(module_name: str) -> Path | None:
+    """Where an import of `module_name` would find it now, found without running any of the
+    user's code (importlib's `find_spec` imports the parent packages)."""
+    search = None
+    spec = None
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        spec = next((s for s in _specs(name, search) if s is not None), None)
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    return Path(spec.origin) if spec is not None and spec.has_location and spec.origin else None
+
+
+def _specs(name: str, search: Any) -> Any:
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is not None:
+            try:
+                yield find(name, search)
+            except Exception:  # a broken finder of someone else's: ask the next one
+                continue
 
 
 def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
-    """Build, check and count one model (in a subprocess, or here when it is the only one);
-    the error's one line otherwise. A user model's warnings are not our message, and are
+    """Build, check and count one model (in a fresh subprocess); the error's one line
+    otherwise. A user model's warnings are not our message, and are
     silenced for the check only."""
     model, seq_lens = item
     try:
