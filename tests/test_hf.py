@@ -234,14 +234,27 @@ def test_contract_errors_stop_the_grid_before_launch(
     contract_models: Path, capsys: pytest.CaptureFixture[str], name: str, message: str
 ) -> None:
     name, message = name.format(dir=contract_models), message.format(dir=contract_models)
-    grid = {"name": "broken", "base": {"model": {"name": name}}}
-    path = write_grid(contract_models, grid)
-    results = contract_models / "results"
-    for extra in (["--dry-run"], ["--no-progress"]):
-        assert main(["sweep", str(path), "--results", str(results), *extra]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], err
-        assert err[0].startswith(f"fsdp-bench: error: model.name: {name}: ")
+    assert_refused(contract_models, capsys, name, message, "--no-progress")
+
+
+def test_a_dry_run_shows_a_broken_model_as_a_sweep_would(
+    contract_models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "contract_models:wrong_shape"
+    assert_refused(contract_models, capsys, name, "logits have shape (1, 128, 50)", "--dry-run")
+
+
+def assert_refused(
+    folder: Path, capsys: pytest.CaptureFixture[str], name: str, message: str, option: str
+) -> None:
+    """One line naming the model and what is wrong, exit code 2, nothing written (each check
+    of a user's model is a fresh process: 2-5 s)."""
+    path = write_grid(folder, {"name": "broken", "base": {"model": {"name": name}}})
+    results = folder / "results"
+    assert main(["sweep", str(path), "--results", str(results), option]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert err[0].startswith(f"fsdp-bench: error: model.name: {name}: ")
     assert not results.exists()  # nothing launched, nothing written
 
 
