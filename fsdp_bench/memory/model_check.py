@@ -18,6 +18,7 @@ import hashlib
 import json
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def _module_file(module_name: str) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.has_location and spec.origin else None
 
 
-def _specs(name: str, search: Any) -> Any:
+def _specs(name: str, search: Any) -> Iterator[Any]:
+    """What each import finder would load `name` from (None where it has nothing)."""
     for finder in sys.meta_path:
         find = getattr(finder, "find_spec", None)
         if find is not None:
@@ -131,8 +133,8 @@ def _specs(name: str, search: Any) -> Any:
 
 def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
     """Build, check and count one model (in a fresh subprocess); the error's one line
-    otherwise. A user model's warnings are not our message, and are
-    silenced for the check only."""
+    otherwise. A user model's warnings are not our message, and are silenced for the check
+    only."""
     model, seq_lens = item
     try:
         with warnings.catch_warnings():
