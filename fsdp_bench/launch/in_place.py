@@ -145,7 +145,8 @@ def _alive(pid: int) -> bool:
 
 def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> list[str]:
     """What an earlier incarnation left in flight becomes a record when a rank said why (an
-    OOM, an error, a timeout); an interrupted run is measured again. The run ids to measure."""
+    OOM, an error, a timeout) or when torchrun restarted the group under it; an interrupted
+    run is measured again. The run ids to measure."""
     todo = []
     for run in runs:
         if store.has(run.run_id):
@@ -154,10 +155,35 @@ def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> lis
         notes = read_notes(inflight) if inflight.exists() else []
         if any(n["class"] in _EXPLAINED for n in notes):
             verdict = classify_failure(notes, "", "")
-            provenance = {"job_id": info.job_id, "attempt": info.attempt}
-            store.record(unmeasured_record(run, verdict.status, verdict.reason, provenance))
-            print(f"fsdp-bench run: {run.run_id} {verdict.status}: {verdict.reason}", flush=True)
+            status, reason = verdict.status, verdict.reason
+        elif _restarted_under(inflight, info):
+            seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in notes) or "no notes"
+            status = "error"
+            reason = (
+                f"a rank ended without a report and torchrun restarted the group ({seen}; "
+                "a crash, or a kill such as the host's OOM killer: see torchrun's log)"
+            )
         else:
             todo.append(run.run_id)
+            shutil.rmtree(inflight, ignore_errors=True)
+            continue
+        provenance = {"job_id": info.job_id, "attempt": info.attempt}
+        store.record(unmeasured_record(run, status, reason, provenance))
+        print(f"fsdp-bench run: {run.run_id} {status}: {reason}", flush=True)
         shutil.rmtree(inflight, ignore_errors=True)
     return todo
+
+
+def _restarted_under(inflight: Path, info: RankInfo) -> bool:
+    """Whether an earlier attempt of this same torchrun invocation started the run. torchrun
+    restarts a group after one of its workers failed, so a rank of this run ended, and had it
+    said why there would be a note: measured again, it would crash every attempt until
+    `--max-restarts` ran out, and the runs after it would never be measured. (Interruptions
+    end the invocation instead: its next one, or a requeued srun step, measures again.)"""
+    if info.launcher != "torchrun":
+        return False
+    try:
+        started = json.loads((inflight / "started.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return started.get("job_id") == info.job_id and started.get("attempt", 0) < info.attempt
