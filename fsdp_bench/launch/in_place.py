@@ -66,7 +66,7 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
         cpu_threads_per_rank=launcher.cpu_threads_per_rank,
         collective_timeout_s=launcher.collective_timeout_s,
         verify=options.verify,
-        flops=run_flops(runs),
+        flops=run_flops(runs, in_this_process=True),
     )
     # The group is needed to agree on the lock and the runs: made here, kept by the worker.
     handle_scheduler_signals()

@@ -49,10 +49,11 @@ _checked: dict[str, ModelFacts] = {}
 """Facts by model key (its settings and source digest), for the life of the driver process."""
 
 
-def run_flops(runs: list[RunConfig]) -> dict[str, Flops]:
+def run_flops(runs: list[RunConfig], *, in_this_process: bool = False) -> dict[str, Flops]:
     """run_id -> FLOPs per token and where the figure came from; every distinct non-preset
-    model is checked first (a `ConfigError` for the first one that breaks the contract)."""
-    facts = check_models(runs)
+    model is checked first (a `ConfigError` for the first one that breaks the contract).
+    `in_this_process`: for a rank, itself a fresh process that imports the user's code."""
+    facts = check_models(runs, in_this_process=in_this_process)
     out = {}
     for run in runs:
         seq = run.data.seq_len
@@ -64,7 +65,9 @@ def run_flops(runs: list[RunConfig]) -> dict[str, Flops]:
     return out
 
 
-def check_models(runs: list[RunConfig], *, again: bool = False) -> dict[str, ModelFacts]:
+def check_models(
+    runs: list[RunConfig], *, again: bool = False, in_this_process: bool = False
+) -> dict[str, ModelFacts]:
     """The facts of every distinct non-preset model of `runs` at their sequence lengths,
     checked in fresh processes (torch and the user's code stay out of the driver, which
     would keep the module as first imported). `again`: whatever this process found before."""
@@ -77,7 +80,11 @@ def check_models(runs: list[RunConfig], *, again: bool = False) -> dict[str, Mod
         for key, (model, seqs) in wanted.items()
         if again or key not in _checked or not seqs <= _checked[key].flops_per_token.keys()
     }
-    outcomes = dict(in_subprocesses(check_model, list(missing.values()), user_code=True))
+    items = list(missing.values())
+    if in_this_process:
+        outcomes = {index: check_model(item) for index, item in enumerate(items)}
+    else:
+        outcomes = dict(in_subprocesses(check_model, items, user_code=True))
     for index, key in enumerate(missing):
         outcome = outcomes[index]
         if isinstance(outcome, str):
@@ -132,7 +139,7 @@ def _specs(name: str, search: Any) -> Iterator[Any]:
 
 
 def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
-    """Build, check and count one model (in a fresh subprocess); the error's one line
+    """Build, check and count one model (in a fresh process); the error's one line
     otherwise. A user model's warnings are not our message, and are silenced for the check
     only."""
     model, seq_lens = item
