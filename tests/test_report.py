@@ -495,7 +495,9 @@ def test_search_figures_from_a_study_journal(
     storage = JournalStorage(JournalFileBackend(str(root / "study.journal")))
     study = optuna.create_study(study_name="hand", storage=storage, direction="maximize")
     study.set_user_attr("budget_gib", 6.5)  # what `search --budget-gib 6.5` ran with
-    for number in range(8):
+    for number in range(8):  # values that vary among the feasible trials, not left to chance
+        study.enqueue_trial({"fsdp.grouping": ["block", "root"][number % 2],
+                             "fsdp.reshard_after_forward": number % 4 < 2})  # fmt: skip
         trial = study.ask()
         grouping = trial.suggest_categorical("fsdp.grouping", ["block", "root"])
         reshard = trial.suggest_categorical("fsdp.reshard_after_forward", [True, False])
