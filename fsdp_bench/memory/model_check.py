@@ -70,7 +70,8 @@ def check_models(
 ) -> dict[str, ModelFacts]:
     """The facts of every distinct non-preset model of `runs` at their sequence lengths,
     checked in fresh processes (torch and the user's code stay out of the driver, which
-    would keep the module as first imported). `again`: whatever this process found before."""
+    would keep the module as first imported). `again`: check even the models this process
+    checked before (a rerun)."""
     wanted: dict[str, tuple[ModelConfig, set[int]]] = {}
     for run in runs:
         if run.model.is_user_model:
