@@ -20,6 +20,7 @@ import pytest
 
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import expand, load_grid
+from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.model_check import COUNTED
 from tests.conftest import REPO, started_counts, write_grid
 
@@ -49,13 +50,18 @@ def test_torchrun_measures_exactly_the_runs_of_its_world_size(tmp_path: Path) ->
     axes = [{"world_size": [1, 2, 4]}, {"world_size": [2], "fsdp.grouping": ["root"]}]
     path = write_grid(tmp_path, grid("one-node", axes))
     results = tmp_path / "r"
+    estimated = [r for r in expand(load_grid(path)).runs if r.world_size == 2][:1]
+    estimate_runs(estimated, results / "estimates")  # as `fsdp-bench estimate` leaves them
     done = torchrun(["--nnodes", "1", "--nproc_per_node", "2"], path, results)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "1 runs need world size 1 on 1 node(s): not run here" in done.stdout
     assert "1 runs need world size 4 on 1 node(s): not run here" in done.stdout
+    assert f"1 of 2 runs have a memory estimate in {results}" in done.stdout
     df = load_results(results)
     wanted = {r.run_id for r in expand(load_grid(path)).runs if r.world_size == 2}
     assert set(df.run_id) == wanted and set(df.status) == {"ok"}
+    has_estimate = df.set_index("run_id").estimated_peak_gib.notna()
+    assert has_estimate.to_dict() == {r: r == estimated[0].run_id for r in wanted}
     assert set(df.launcher) == {"torchrun"} and set(df.job_id.str[:9]) == {"torchrun-"}
     assert not (results / "run.lock").exists()
     again = torchrun(["--nnodes", "1", "--nproc_per_node", "2"], path, results)

@@ -28,8 +28,9 @@ from fsdp_bench.job.failures import handle_scheduler_signals
 from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
 from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
 from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
+from fsdp_bench.memory.estimate import cached_estimates
 from fsdp_bench.memory.model_check import run_flops
-from fsdp_bench.store import ResultStore, now_iso
+from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
 
 LOCK_NAME = "run.lock"
 _EXPLAINED = ("oom", "error", "timeout")
@@ -56,9 +57,11 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
     runs = _runs_of_shape(spec, info, options.only)
     store = ResultStore(options.results_dir)
     launcher = spec.launcher
-    if info.rank == 0:
+    estimates: dict[str, EstimatedPeaks] = {}
+    if info.rank == 0:  # the one that writes the records
         store.root.mkdir(parents=True, exist_ok=True)
         store.save_grid(spec.source)
+        estimates = _cached_estimates(runs, store)
     job = JobSpec(
         runs=tuple(runs),
         results_dir=str(store.root.resolve()),
@@ -67,13 +70,14 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
         collective_timeout_s=launcher.collective_timeout_s,
         verify=options.verify,
         flops=run_flops(runs, in_this_process=True),
+        estimates=estimates,
     )
     # The group is needed to agree on the lock and the runs: made here, kept by the worker.
     handle_scheduler_signals()
     init_job_group(job, info, pick_device(launcher.job_device, info.local_rank), store)
     decision: list[str | list[str] | None] = [None]
     if info.rank == 0:
-        decision = [_take_lock(store.root) or _reconcile(runs, store, info)]
+        decision = [_take_lock(store.root) or _reconcile(runs, store, info, estimates)]
     dist.broadcast_object_list(decision, src=0)
     if isinstance(decision[0], str):
         dist.destroy_process_group()
@@ -143,7 +147,20 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> list[str]:
+def _cached_estimates(runs: list[RunConfig], store: ResultStore) -> dict[str, EstimatedPeaks]:
+    """Runs are not estimated here, where the allocation's time is for measuring: the records
+    take the estimates `fsdp-bench estimate` left in the folder, and rank 0 says how many."""
+    found = cached_estimates(runs, store.root / "estimates")
+    if len(found) < len(runs):
+        print(f"fsdp-bench run: {len(found)} of {len(runs)} runs have a memory estimate in "
+              f"{store.root}; to add the others, run 'fsdp-bench estimate GRID --results "
+              f"{store.root}' before launching", flush=True)  # fmt: skip
+    return {run_id: estimate.peaks for run_id, estimate in found.items()}
+
+
+def _reconcile(
+    runs: list[RunConfig], store: ResultStore, info: RankInfo, estimates: dict[str, EstimatedPeaks]
+) -> list[str]:
     """What an earlier incarnation left in flight becomes a record when a rank said why (an
     OOM, an error, a timeout) or when torchrun restarted the group under it; an interrupted
     run is measured again. The run ids to measure."""
@@ -168,7 +185,7 @@ def _reconcile(runs: list[RunConfig], store: ResultStore, info: RankInfo) -> lis
             shutil.rmtree(inflight, ignore_errors=True)
             continue
         provenance = {"job_id": info.job_id, "attempt": info.attempt}
-        store.record(unmeasured_record(run, status, reason, provenance))
+        store.record(unmeasured_record(run, status, reason, provenance, estimates.get(run.run_id)))
         print(f"fsdp-bench run: {run.run_id} {status}: {reason}", flush=True)
         shutil.rmtree(inflight, ignore_errors=True)
     return todo

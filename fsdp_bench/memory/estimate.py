@@ -84,15 +84,9 @@ def estimate_runs(
     on_estimate: Callable[[RunEstimate], None] | None = None,
 ) -> dict[str, RunEstimate]:
     """Estimates of every run, from the cache where present, else simulated in parallel."""
-    found: dict[str, RunEstimate] = {}
-    missing = []
-    sources = {run.run_id: source_digest(run.model) for run in runs}
-    for run in runs:
-        cached = _read_cache(cache_dir, run.run_id)
-        if cached is not None and cached.model_source == sources[run.run_id]:
-            found[run.run_id] = cached
-        else:
-            missing.append(run)
+    found = cached_estimates(runs, cache_dir)
+    missing = [run for run in runs if run.run_id not in found]
+    sources = {run.run_id: source_digest(run.model) for run in missing}  # as it is estimated
     for estimate in _compute(missing):
         estimate.model_source = sources[estimate.run_id]
         found[estimate.run_id] = estimate
@@ -100,6 +94,17 @@ def estimate_runs(
             write_atomic(cache_dir / f"{estimate.run_id}.json", json.dumps(asdict(estimate)))
         if on_estimate is not None:
             on_estimate(estimate)
+    return found
+
+
+def cached_estimates(runs: list[RunConfig], cache_dir: Path | None) -> dict[str, RunEstimate]:
+    """The estimates of `runs` found in the cache that are still valid: made by this estimator,
+    of the user's model as it is now."""
+    found = {}
+    for run in runs:
+        cached = _read_cache(cache_dir, run.run_id)
+        if cached is not None and cached.model_source == source_digest(run.model):
+            found[run.run_id] = cached
     return found
 
 
