@@ -142,10 +142,9 @@ def profile_step(
     Memory is the tensor-level peak in steady state (the model must have stepped already, so
     that optimizer state exists), from torch's MemTracker (as `tracker` counts it alike on every
     torch release), which follows every storage (including FSDP2's resized unsharded
-    parameters) without touching FSDP's hooks. Not
-    FSDPMemTracker: it re-registers FSDP's forward hooks per module, which changes the
-    schedule of list-form groups (`blocks:K`, a tied embedding and head): 9 all-gathers
-    instead of 5 for blocks:2 on the tiny model. Where both apply they agree to the byte.
+    parameters) without touching FSDP's hooks. Not FSDPMemTracker: it re-registers FSDP's
+    forward hooks per module, which changes the schedule of list-form groups (`blocks:K`, a
+    tied embedding and head): 9 all-gathers instead of 5 for blocks:2 on the tiny model. Where both apply they agree to the byte.
     The tracker treats a second root forward as a new iteration; its per-module statistics
     are cleared between micro-batches (the peak survives).
     """
