@@ -222,8 +222,8 @@ def time_limit_sweep(
 ) -> Background:
     """A sweep whose one job hangs (asleep) until Slurm's shortest time limit, one minute,
     ends it 60-90 s later: started with the module's first test, so the tests before
-    `test_slurm_time_limit_is_a_timeout` use that time. They start once its job is submitted:
-    two estimates at once in one process would share torch's one (fake) process group."""
+    `test_slurm_time_limit_is_a_timeout` use that time. They start once its job is submitted,
+    its estimate done (a process simulates one run at a time)."""
     grid = slurm_grid(
         "timelimit",
         {"fault.kind": ["hang"]},
