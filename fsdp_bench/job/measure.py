@@ -144,9 +144,10 @@ def profile_step(
     torch release), which follows every storage (including FSDP2's resized unsharded
     parameters) without touching FSDP's hooks. Not FSDPMemTracker: it re-registers FSDP's
     forward hooks per module, which changes the schedule of list-form groups (`blocks:K`, a
-    tied embedding and head): 9 all-gathers instead of 5 for blocks:2 on the tiny model. Where both apply they agree to the byte.
-    The tracker treats a second root forward as a new iteration; its per-module statistics
-    are cleared between micro-batches (the peak survives).
+    tied embedding and head): 9 all-gathers instead of 5 for blocks:2 on the tiny model. Where
+    both apply they agree to the byte. The tracker treats a second root forward as a new
+    iteration; its per-module statistics are cleared between micro-batches (the peak
+    survives).
     """
     from fsdp_bench.job.tracker import TensorMemoryTracker
 
