@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
@@ -151,7 +150,7 @@ def profile_step(
     """
     from fsdp_bench.job.tracker import TensorMemoryTracker
 
-    tracker = TensorMemoryTracker()
+    tracker = TensorMemoryTracker(held_apart=run.strategy == "ddp")
     tracker.track_external(model, optimizer)
     step = make_train_step(
         model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
@@ -164,22 +163,15 @@ def profile_step(
     with recording, tracker, counter, sampler or contextlib.nullcontext():
         step()
     memory = _snapshot(tracker, device.type)
-    if isinstance(model, DistributedDataParallel):
-        add_ddp_buckets(memory, model)
+    held = tracker.held_bytes(device.type)  # alive through the step: at every moment
+    if held:
+        memory.peak_bytes += held
+        memory.breakdown_bytes["held_before_step"] = held
+        memory.module_peak_bytes = {k: v + held for k, v in memory.module_peak_bytes.items()}
     if sampler is None:
         return StepProfile(counter.counts, memory)
     breakdown = trace_step(model, optimizer, batches, run, trace_path)
     return StepProfile(counter.counts, memory, breakdown, sampler.timeline())
-
-
-def add_ddp_buckets(memory: MemoryReport, model: nn.Module) -> None:
-    """DDP's gradient buckets, allocated before any tracked step and alive through all of
-    them, so the tracker never sees them being made. The gradients are views of them
-    (gradient_as_bucket_view): in a real run they hold the gradients; the simulation, which
-    runs the model unwrapped, counts both and so leans high (+3% on the tiny model)."""
-    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
-    memory.peak_bytes += buckets
-    memory.breakdown_bytes["ddp_gradient_buckets"] = buckets
 
 
 def _module_peak_bytes(tracker: Any, device_type: str) -> dict[str, int]:

@@ -89,7 +89,8 @@ class TimelineSampler(TorchDispatchMode):
         return f"{name} {self._last_phase}"
 
     def timeline(self) -> MemoryTimeline:
-        samples = self._samples
+        held = self._tracker.held_bytes(self._device_type)  # alive all step, seen only later
+        samples = [(tracked + held, where) for tracked, where in self._samples]
         if not samples:
             return MemoryTimeline()
         width = max(1, -(-len(samples) // MAX_POINTS))

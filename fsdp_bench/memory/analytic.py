@@ -62,7 +62,10 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     }
     steady = steady_state_bytes(padded * 4, padded * 4, padded * optimizer, shard)
     if run.strategy == "ddp":
-        terms["ddp_gradient_buckets"] = sharded * 4  # flat copies of the gradients
+        # The gradients are views of the reducer's buckets (gradient_as_bucket_view): one copy,
+        # but micro-batches under no_sync accumulate theirs apart until the last one.
+        if run.train.grad_sync == "last" and run.train.accumulation_steps > 1:
+            terms["no_sync_gradients"] = sharded * 4
     else:
         terms.update(_unsharded_terms(run, shape, compute_bytes))
     terms["activations"] = _activation_bytes(run, shape, compute_bytes)

@@ -19,9 +19,10 @@ from fsdp_bench.memory.model_check import source_digest
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-2"
+CACHE_VERSION = f"{__version__}/estimator-3"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
-the estimator within a release (2: CPU offload's host share apart)."""
+the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
+buckets)."""
 
 
 @dataclass

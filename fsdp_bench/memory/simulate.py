@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.run import RunConfig, grouping_block_count
-from fsdp_bench.job.measure import MemoryReport, add_ddp_buckets, profile_step
+from fsdp_bench.job.measure import MemoryReport, profile_step
 from fsdp_bench.job.models import build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, rank_batches
@@ -146,8 +146,7 @@ def simulate_step(run: RunConfig) -> MemoryReport:
 
     Sharding happens on the meta device before fake mode (FSDP2 builds small real index
     tensors for its meshes then). DDP is simulated unwrapped (its wrapper talks to the process
-    group at construction) plus its gradient buckets: flat copies of every gradient, allocated
-    at construction and alive all along."""
+    group at construction), its reducer's gradient buckets emulated (`_reduce_into_buckets`)."""
     with fake_world(run.world_size):
         names = ("replicate", "shard") if len(run.mesh_shape) == 2 else ("shard",)
         mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
@@ -161,12 +160,39 @@ def simulate_step(run: RunConfig) -> MemoryReport:
             optimizer = build_optimizer(model, run)
             batches = rank_batches(run, 0, bundle.vocab_size, device)
             _create_optimizer_state(model, optimizer)
+            if run.strategy == "ddp":
+                _reduce_into_buckets(model, run)
             memory = profile_step(model, optimizer, batches, run, break_down=False).memory
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
-    if run.strategy == "ddp":
-        add_ddp_buckets(memory, model)
     return memory
+
+
+def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:
+    """What DDP's reducer does to memory (gradient_as_bucket_view): flat buckets of every
+    gradient, made at construction and held from before the step; each gradient, once
+    accumulated in a micro-batch that synchronises, written into its view of a bucket and
+    replaced by that view. Under `grad_sync: last` the micro-batches before the last keep
+    their gradients apart, as `no_sync` does."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = {
+        dtype: torch.empty(sum(p.numel() for p in params if p.dtype == dtype), dtype=dtype)
+        for dtype in {p.dtype for p in params}
+    }
+    every = run.train.accumulation_steps if run.train.grad_sync == "last" else 1
+    offsets = dict.fromkeys(buckets, 0)
+    for param in params:
+        start, offsets[param.dtype] = offsets[param.dtype], offsets[param.dtype] + param.numel()
+        calls = [0]
+
+        def into_bucket(param: Any, start: int = start, calls: list[int] = calls) -> None:
+            calls[0] += 1
+            if calls[0] % every == 0:
+                view = buckets[param.dtype].narrow(0, start, param.numel()).view_as(param)
+                view.copy_(param.grad)
+                param.grad = view
+
+        param.register_post_accumulate_grad_hook(into_bucket)
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
