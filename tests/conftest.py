@@ -47,6 +47,33 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
     dist.destroy_process_group()
 
 
+# A user's own model, as a module file a test writes (format it with a width): `build`
+# returns its ModelBundle.
+USER_MODEL = """
+from torch import nn
+from fsdp_bench import ModelBundle
+
+WIDTH = {width}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.head = nn.Linear(WIDTH, 100)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+def build():
+    net = Net()
+    return ModelBundle(module=net, blocks=list(net.blocks), vocab_size=100)
+"""
+
+
 def write_grid(folder: Path, grid: dict[str, Any]) -> Path:
     path = folder / f"{grid['name']}.yaml"
     path.write_text(yaml.safe_dump(grid, sort_keys=False))

@@ -20,7 +20,7 @@ from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.model_check import run_flops, source_digest
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.sweep import SweepOptions, run_sweep
-from tests.conftest import sweep, tiny_grid, write_grid
+from tests.conftest import USER_MODEL, sweep, tiny_grid, write_grid
 
 
 def pid_of(_: int) -> int:
@@ -68,31 +68,6 @@ def test_estimates_asked_from_two_threads_at_once_both_succeed() -> None:
     assert all(e.estimated_peak_gib for e in estimates)
 
 
-WIDE_MODEL = """
-from torch import nn
-from fsdp_bench import ModelBundle
-
-WIDTH = {width}
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(100, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
-        self.head = nn.Linear(WIDTH, 100)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
-
-def build():
-    net = Net()
-    return ModelBundle(module=net, blocks=list(net.blocks), vocab_size=100)
-"""
-
-
 @pytest.mark.slow
 def test_a_users_model_edited_between_sweeps_is_checked_and_estimated_as_it_is_now(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -104,7 +79,7 @@ def test_a_users_model_edited_between_sweeps_is_checked_and_estimated_as_it_is_n
     cache_dir = tmp_path / "estimates"
 
     def facts(width: int) -> list[float]:
-        (tmp_path / "wide_model.py").write_text(textwrap.dedent(WIDE_MODEL.format(width=width)))
+        (tmp_path / "wide_model.py").write_text(textwrap.dedent(USER_MODEL.format(width=width)))
         several = estimate_runs(runs, cache_dir)
         alone = estimate_runs(runs[:1], cache_dir=None)[runs[0].run_id]
         flops = run_flops(runs[:1])[runs[0].run_id].flops_per_token
@@ -145,7 +120,7 @@ def test_a_rerun_checks_and_estimates_a_users_model_again(
 ) -> None:
     """An edit the source digest cannot see (a file the model's module imports)."""
     (tmp_path / "wide_layers.py").write_text("WIDTH = 16\n")
-    model = WIDE_MODEL.replace("WIDTH = {width}", "from wide_layers import WIDTH")
+    model = USER_MODEL.replace("WIDTH = {width}", "from wide_layers import WIDTH")
     (tmp_path / "wide_model.py").write_text(textwrap.dedent(model))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import it too

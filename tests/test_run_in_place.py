@@ -22,7 +22,7 @@ from fsdp_bench import load_results
 from fsdp_bench.config.grid import expand, load_grid
 from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.model_check import COUNTED
-from tests.conftest import REPO, started_counts, write_grid
+from tests.conftest import REPO, USER_MODEL, started_counts, write_grid
 
 pytestmark = pytest.mark.slow
 
@@ -88,34 +88,11 @@ def check_printed_launch_line(path: Path, results: Path, run_id: str) -> None:
     assert config(Path(f"{results}-{run_id}")) == config(results)
 
 
-USER_MODEL = """
-from torch import nn
-from fsdp_bench import ModelBundle
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
-
-def build():
-    net = Net()
-    return ModelBundle(module=net, blocks=list(net.blocks), vocab_size=64)
-"""
-
-
 def test_two_agents_on_loopback_are_two_nodes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a user's model, which each rank checks and counts itself."""
-    (tmp_path / "agents_model.py").write_text(USER_MODEL)
+    (tmp_path / "agents_model.py").write_text(USER_MODEL.format(width=32))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     path = write_grid(tmp_path, grid("two-nodes", {"fsdp.grouping": ["block"]}, world_size=2,
                                      processes_per_node=1, model={"name": "agents_model:build"},
