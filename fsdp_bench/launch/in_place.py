@@ -170,6 +170,7 @@ def _reconcile(
             continue
         inflight = store.inflight(run.run_id)
         notes = read_notes(inflight) if inflight.exists() else []
+        status = reason = ""
         if any(n["class"] in _EXPLAINED for n in notes):
             verdict = classify_failure(notes, "", "")
             status, reason = verdict.status, verdict.reason
@@ -180,13 +181,13 @@ def _reconcile(
                 f"a rank ended without a report and torchrun restarted the group ({seen}; "
                 "a crash, or a kill such as the host's OOM killer: see torchrun's log)"
             )
+        if status:
+            provenance = {"job_id": info.job_id, "attempt": info.attempt}
+            peaks = estimates.get(run.run_id)
+            store.record(unmeasured_record(run, status, reason, provenance, peaks))
+            print(f"fsdp-bench run: {run.run_id} {status}: {reason}", flush=True)
         else:
             todo.append(run.run_id)
-            shutil.rmtree(inflight, ignore_errors=True)
-            continue
-        provenance = {"job_id": info.job_id, "attempt": info.attempt}
-        store.record(unmeasured_record(run, status, reason, provenance, estimates.get(run.run_id)))
-        print(f"fsdp-bench run: {run.run_id} {status}: {reason}", flush=True)
         shutil.rmtree(inflight, ignore_errors=True)
     return todo
 
