@@ -15,7 +15,7 @@ from pathlib import Path
 from fsdp_bench import __version__
 from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
-from fsdp_bench.memory.model_check import source_digest
+from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
@@ -85,11 +85,12 @@ def estimate_runs(
     on_estimate: Callable[[RunEstimate], None] | None = None,
 ) -> dict[str, RunEstimate]:
     """Estimates of every run, from the cache where present, else simulated in parallel."""
-    found = cached_estimates(runs, cache_dir)
+    digests = source_digests(runs)  # the files as they are when estimated
+    found = cached_estimates(runs, cache_dir, digests)
     missing = [run for run in runs if run.run_id not in found]
-    sources = {run.run_id: source_digest(run.model) for run in missing}  # as it is estimated
+    name_of = {run.run_id: run.model.name for run in missing}
     for estimate in _compute(missing):
-        estimate.model_source = sources[estimate.run_id]
+        estimate.model_source = digests[name_of[estimate.run_id]]
         found[estimate.run_id] = estimate
         if cache_dir is not None and not estimate.error:
             write_atomic(cache_dir / f"{estimate.run_id}.json", json.dumps(asdict(estimate)))
@@ -98,13 +99,16 @@ def estimate_runs(
     return found
 
 
-def cached_estimates(runs: list[RunConfig], cache_dir: Path | None) -> dict[str, RunEstimate]:
+def cached_estimates(
+    runs: list[RunConfig], cache_dir: Path | None, digests: dict[str, str] | None = None
+) -> dict[str, RunEstimate]:
     """The estimates of `runs` found in the cache that are still valid: made by this estimator,
-    of the user's model as it is now."""
+    of the user's model as it is now (`digests`: `source_digests(runs)`, if already read)."""
+    digests = source_digests(runs) if digests is None else digests
     found = {}
     for run in runs:
         cached = _read_cache(cache_dir, run.run_id)
-        if cached is not None and cached.model_source == source_digest(run.model):
+        if cached is not None and cached.model_source == digests[run.model.name]:
             found[run.run_id] = cached
     return found
 

@@ -58,7 +58,7 @@ def run_flops(runs: list[RunConfig], *, in_this_process: bool = False) -> dict[s
     for run in runs:
         seq = run.data.seq_len
         if run.model.is_user_model:
-            found = facts[_key(run.model)]
+            found = facts[run.run_id]
             out[run.run_id] = Flops(found.flops_per_token[seq], found.flops_source)
         else:
             out[run.run_id] = Flops(run.model.shape.flops_per_token(seq), FORMULA)
@@ -68,14 +68,20 @@ def run_flops(runs: list[RunConfig], *, in_this_process: bool = False) -> dict[s
 def check_models(
     runs: list[RunConfig], *, again: bool = False, in_this_process: bool = False
 ) -> dict[str, ModelFacts]:
-    """The facts of every distinct non-preset model of `runs` at their sequence lengths,
-    checked in fresh processes (torch and the user's code stay out of the driver, which
-    would keep the module as first imported). `again`: check even the models this process
-    checked before (a rerun)."""
+    """run_id -> the facts of its model, for the runs of non-preset models: each distinct
+    model checked once at its sequence lengths, in fresh processes (torch and the user's code
+    stay out of the driver, which would keep the module as first imported). `again`: check
+    even the models this process checked before (a rerun)."""
+    digests = source_digests(runs)
+    key_of = {
+        run.run_id: _key(run.model, digests[run.model.name])
+        for run in runs
+        if run.model.is_user_model
+    }
     wanted: dict[str, tuple[ModelConfig, set[int]]] = {}
     for run in runs:
-        if run.model.is_user_model:
-            wanted.setdefault(_key(run.model), (run.model, set()))[1].add(run.data.seq_len)
+        if run.run_id in key_of:
+            wanted.setdefault(key_of[run.run_id], (run.model, set()))[1].add(run.data.seq_len)
     missing = {
         key: (model, sorted(seqs))
         for key, (model, seqs) in wanted.items()
@@ -91,11 +97,17 @@ def check_models(
         if isinstance(outcome, str):
             raise ConfigError(outcome)
         _checked[key] = outcome
-    return {key: _checked[key] for key in wanted}
+    return {run_id: _checked[key] for run_id, key in key_of.items()}
 
 
-def _key(model: ModelConfig) -> str:
-    return json.dumps([to_plain(model), source_digest(model)], sort_keys=True)
+def _key(model: ModelConfig, digest: str) -> str:
+    return json.dumps([to_plain(model), digest], sort_keys=True)
+
+
+def source_digests(runs: list[RunConfig]) -> dict[str, str]:
+    """`model.name` -> `source_digest`, each distinct model's file read once."""
+    models = {run.model.name: run.model for run in runs}
+    return {name: source_digest(model) for name, model in models.items()}
 
 
 def source_digest(model: ModelConfig) -> str:
