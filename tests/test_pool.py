@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,7 +78,7 @@ def test_a_users_model_edited_between_sweeps_is_checked_and_estimated_as_it_is_n
     cache_dir = tmp_path / "estimates"
 
     def facts(width: int) -> list[float]:
-        (tmp_path / "wide_model.py").write_text(textwrap.dedent(USER_MODEL.format(width=width)))
+        (tmp_path / "wide_model.py").write_text(USER_MODEL.format(width=width))
         several = estimate_runs(runs, cache_dir)
         alone = estimate_runs(runs[:1], cache_dir=None)[runs[0].run_id]
         flops = run_flops(runs[:1])[runs[0].run_id].flops_per_token
@@ -121,7 +120,7 @@ def test_a_rerun_checks_and_estimates_a_users_model_again(
     """An edit the source digest cannot see (a file the model's module imports)."""
     (tmp_path / "wide_layers.py").write_text("WIDTH = 16\n")
     model = USER_MODEL.replace("WIDTH = {width}", "from wide_layers import WIDTH")
-    (tmp_path / "wide_model.py").write_text(textwrap.dedent(model))
+    (tmp_path / "wide_model.py").write_text(model)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import it too
     grid = tiny_grid("edited", {"data.seed": [0]}, world_size=1, model={"name": "wide_model:build"})

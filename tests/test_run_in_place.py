@@ -134,7 +134,7 @@ def test_a_failure_under_max_restarts_is_recorded_and_the_other_runs_go_on(
     assert df.loc[fault, "status"] == status and reason in df.loc[fault, "reason"]
     assert (df.drop(index=fault)["status"] == "ok").all() and len(df) == 3
     restarted = [attempt for attempt in load_results(results)["attempt"] if attempt]
-    assert restarted, "the runs after the OOM were measured by the restarted group"
+    assert restarted, "the runs after the failure were measured by the restarted group"
 
 
 def test_a_second_invocation_on_a_busy_folder_is_refused(tmp_path: Path) -> None:
