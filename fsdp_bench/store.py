@@ -88,6 +88,10 @@ class RunResult:
     device_used_peak_gib: float | None = None
     """CUDA: device memory in use after the timed steps (largest rank), from the driver: the
     allocator's reserve plus the CUDA context, NCCL buffers and workspaces outside it."""
+    device_used_at_init_gib: float | None = None
+    """CUDA: device memory in use when the job's process group had run its first collective,
+    before any model was built (largest rank): the CUDA context and NCCL's communicator and
+    buffers, the part of device_used_peak_gib outside the allocator before workspaces."""
     tracked_peak_gib: float | None = None
     """Tracked tensors at the peak on the run's device; on CUDA without host memory."""
     host_peak_gib: float | None = None
@@ -126,6 +130,9 @@ class RunResult:
     parity_param_max_abs_diff: float | None = None
     parity_scope: str | None = None
     """What was compared: "as run", or the scaled-down copy of a large model (its shape)."""
+    parity_fp32_matmul: str | None = None
+    """What fp32 matmuls ran as during the check (torch's float32 matmul precision: highest,
+    high = TF32 on CUDA): the run's own `train.fp32_matmul`, or the check proves nothing."""
     # Where a step's time goes: rank 0's profiled step under torch.profiler (`step_trace`)
     profiled_step_s: float | None = None
     """The profiled step (slower than a timed one: the profiler's own cost)."""

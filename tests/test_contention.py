@@ -128,15 +128,26 @@ def test_a_competitor_during_the_timed_steps_shows_over_the_run() -> None:
     assert load.over_run_pct([first, last]) is not None
 
 
-def fake_nvml(monkeypatch: pytest.MonkeyPatch, pids: list[int], fail: bool = False) -> None:
-    def processes(handle: object) -> list[Any]:
+NODE_GPUS = ["GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-1111-1111-1111-111111111111",
+             "GPU-2c2c2c2c-2222-2222-2222-222222222222"]  # fmt: skip
+"""NVML's view of a node: every GPU, in NVML's order."""
+
+
+def fake_nvml(
+    monkeypatch: pytest.MonkeyPatch, pids: dict[int, list[int]], fail: bool = False
+) -> None:
+    """NVML on a node of three GPUs; `pids` maps an NVML index to the processes on it."""
+
+    def processes(handle: int) -> list[Any]:
         if fail:
             raise RuntimeError("NVML_ERROR_UNINITIALIZED")
-        return [types.SimpleNamespace(pid=p) for p in pids]
+        return [types.SimpleNamespace(pid=p) for p in pids.get(handle, [])]
 
     module = types.SimpleNamespace(
         nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: len(NODE_GPUS),
         nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetUUID=lambda handle: NODE_GPUS[handle].encode(),  # bytes, as older pynvml
         nvmlDeviceGetComputeRunningProcesses=processes,
         nvmlDeviceGetGraphicsRunningProcesses=lambda handle: [],
     )
@@ -144,18 +155,24 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch, pids: list[int], fail: bool = Fal
 
 
 def test_gpu_processes_other_than_the_runs_by_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank's GPU found by UUID: on a Slurm node that gave this job NVML's GPU 2
+    (CUDA_VISIBLE_DEVICES=2, so torch calls it cuda:0, torch's UUID without the GPU- prefix),
+    another job's process on NVML's GPU 0 is not this run's competition."""
     ours = frozenset({10, 11})
-    fake_nvml(monkeypatch, [10, 99])
-    assert load.gpu_processes(0, ours) == 1
+    mine = "2C2C2C2C-2222-2222-2222-222222222222"
+    fake_nvml(monkeypatch, {0: [777], 2: [10, 99]})
+    assert load.gpu_processes(mine, ours) == 1
+    assert load.nvml_handle(sys.modules["pynvml"], mine) == 2
     assert load.gpu_processes(None, ours) is None  # CPU runs
-    fake_nvml(monkeypatch, [10])
-    assert load.gpu_processes(0, ours) == 0
-    fake_nvml(monkeypatch, [5001, 5002])  # a container: NVML's pids are the host's
-    assert load.gpu_processes(0, ours) == 1  # one of them is this rank
-    fake_nvml(monkeypatch, [], fail=True)
-    assert load.gpu_processes(0, ours) is None
+    assert load.gpu_processes("GPU-ffffffff-0000-0000-0000-000000000000", ours) is None
+    fake_nvml(monkeypatch, {0: [777], 2: [10]})
+    assert load.gpu_processes(mine, ours) == 0
+    fake_nvml(monkeypatch, {2: [5001, 5002]})  # a container: NVML's pids are the host's
+    assert load.gpu_processes(mine, ours) == 1  # one of them is this rank
+    fake_nvml(monkeypatch, {}, fail=True)
+    assert load.gpu_processes(mine, ours) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
-    assert load.gpu_processes(0, ours) is None
+    assert load.gpu_processes(mine, ours) is None
 
 
 def test_the_ranking_marks_contended_runs_only_when_there_are_some() -> None:

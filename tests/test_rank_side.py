@@ -6,19 +6,24 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS
+from fsdp_bench.config.run import ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.failures import classify, classify_text
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.models import attention_backend, attention_inputs
 from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device, rank_info
 from fsdp_bench.job.timing import time_steps
+from fsdp_bench.job.training import empty_host_cache
 from fsdp_bench.job.watchdog import Watchdog
+from fsdp_bench.job.worker import JobContext
+from fsdp_bench.store import ResultStore
 
 # Texts as torch, CUDA, cuBLAS, NCCL and gloo print them (shortened where they run on).
 FAILURE_TEXTS = [
@@ -121,9 +126,11 @@ def test_no_peak_flops_for_mig_slices_and_cpus() -> None:
 
 def test_attention_inputs_and_backend_on_cpu() -> None:
     q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
-    _, k_out, _, gqa = attention_inputs(q, k, k)
-    assert gqa and k_out.shape[1] == 2  # K/V repeated only for fp32 on CUDA
-    assert attention_inputs(q, q, q)[3] is False
+    _, k_out, _, gqa = attention_inputs(q, k, k, repeat_fp32_gqa=False)
+    assert gqa and k_out.shape[1] == 2
+    _, k_out, _, gqa = attention_inputs(q, k, k, repeat_fp32_gqa=True)  # fp32 for CUDA
+    assert not gqa and k_out.shape[1] == 4
+    assert attention_inputs(q, q, q, repeat_fp32_gqa=True)[3] is False
     backend = attention_backend(PRESETS["tiny"], 128, torch.float32, torch.device("cpu"))
     assert backend in {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}
 
@@ -150,3 +157,50 @@ def test_rank_info_reads_torchrun_srun_or_says_what_it_looked_for(
         for name, value in srun.items():
             env.setenv(name, value)
         assert rank_info() == RankInfo(5, 1, 8, 4, "77.0", 0, "srun")
+
+
+@pytest.mark.slow
+def test_each_run_is_verified_under_its_own_fp32_matmul_precision(
+    one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs of one job, TF32 then full fp32: each parity check runs under its run's
+    precision (before, the first was checked with TF32 off and the second with it on). The
+    setting acts on CUDA only, so here it is applied on the CPU as a GPU would."""
+    from fsdp_bench.job import worker
+
+    def apply_anywhere(run: RunConfig, device: torch.device) -> None:
+        torch.set_float32_matmul_precision("high" if run.train.fp32_matmul == "tf32" else "highest")
+
+    monkeypatch.setattr(worker, "set_fp32_matmul", apply_anywhere)
+    info = RankInfo(0, 0, 1, 1, "in-process", 0)
+    context = JobContext(info, torch.device("cpu"), ResultStore(tmp_path), verify=True)
+    seen = {}
+    try:
+        for precision in ("tf32", "ieee"):
+            run = RunConfig(
+                model=ModelConfig(name="tiny"),
+                train=TrainConfig(fp32_matmul=precision),
+                measure=MeasureConfig(warmup_steps=1, timed_steps=1, repeats=1),
+            )
+            seen[precision] = worker.execute_run(run, context).parity
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert {k: v["fp32_matmul_precision"] for k, v in seen.items()} == {
+        "tf32": "high", "ieee": "highest"}  # fmt: skip
+
+
+def test_pinned_host_blocks_are_freed_on_torch_without_the_public_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11 (the GPU machine's) has no torch.accelerator.empty_host_cache."""
+    calls = []
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
+    monkeypatch.setattr(
+        torch._C, "_host_emptyCache", lambda: calls.append("private"), raising=False
+    )
+    empty_host_cache()
+    monkeypatch.setattr(
+        torch.accelerator, "empty_host_cache", lambda: calls.append("public"), raising=False
+    )
+    empty_host_cache()
+    assert calls == ["private", "public"]

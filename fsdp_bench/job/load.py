@@ -116,7 +116,7 @@ def sample(
     when: str,
     local_rank: int,
     run_pids: frozenset[int],
-    gpu_index: int | None,
+    gpu_uuid: str | None,
     window_s: float = WINDOW_S,
     proc: Path = Path("/proc"),
 ) -> LoadSample:
@@ -124,7 +124,7 @@ def sample(
     CPU meanwhile, and each rank on a GPU counts the other processes on it."""
     if local_rank != 0:
         time.sleep(window_s)
-        return LoadSample(when, gpu_other_processes=gpu_processes(gpu_index, run_pids))
+        return LoadSample(when, gpu_other_processes=gpu_processes(gpu_uuid, run_pids))
     try:
         before = _read(run_pids, proc)
         time.sleep(window_s)
@@ -132,10 +132,10 @@ def sample(
         load = os.getloadavg()[0] / (os.cpu_count() or 1)
     except (OSError, ValueError):  # no /proc (not Linux)
         time.sleep(window_s)
-        return LoadSample(when, gpu_other_processes=gpu_processes(gpu_index, run_pids))
+        return LoadSample(when, gpu_other_processes=gpu_processes(gpu_uuid, run_pids))
     other = other_cpu_pct(before, after)
     nearest = after if when == "start" else before
-    return LoadSample(when, load, other, gpu_processes(gpu_index, run_pids), nearest)
+    return LoadSample(when, load, other, gpu_processes(gpu_uuid, run_pids), nearest)
 
 
 def over_run_pct(samples: list[LoadSample]) -> float | None:
@@ -148,26 +148,50 @@ def over_run_pct(samples: list[LoadSample]) -> float | None:
     return max(known) if known else None
 
 
-def gpu_processes(index: int | None, run_pids: frozenset[int]) -> int | None:
-    """Processes other than the run's on GPU `index`, by NVML; None without CUDA or NVML.
+def gpu_processes(uuid: str | None, run_pids: frozenset[int]) -> int | None:
+    """Processes other than the run's on the GPU with this UUID (torch's
+    `get_device_properties(device).uuid`), by NVML; None without CUDA or NVML, or when NVML
+    does not list the GPU.
 
-    In a container NVML may report host pids that match none of ours; then one of the GPU's
-    processes is taken to be this rank (each rank has a GPU of its own)."""
-    if index is None:
+    By UUID, not index: NVML numbers every GPU of the node, torch only those that
+    CUDA_VISIBLE_DEVICES shows, in its order, so on a shared Slurm node torch's cuda:0 may
+    be NVML's GPU 5 and NVML's GPU 0 another job's. In a container NVML may report host
+    pids that match none of ours; then one of the GPU's processes is taken to be this rank
+    (each rank has a GPU of its own)."""
+    if uuid is None:
         return None
     try:
         import pynvml  # type: ignore[import-not-found,unused-ignore]
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        handle = nvml_handle(pynvml, uuid)
+        if handle is None:
+            return None
         found = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
         found |= {p.pid for p in pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
-    except Exception:  # no pynvml, no driver, a device NVML numbers otherwise: unknown
+    except Exception:  # no pynvml, no driver, an NVML error: unknown
         return None
     others = found - run_pids
     if others and len(others) == len(found):
         return len(others) - 1
     return len(others)
+
+
+def nvml_handle(nvml: Any, uuid: str) -> Any:
+    """NVML's handle of the GPU whose UUID is `uuid` (None: NVML does not list it, e.g. a
+    MIG slice). torch writes UUIDs bare or with a GPU- prefix, NVML with it, as str or bytes
+    by version: compared without prefix and case."""
+    wanted = _bare_uuid(uuid)
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        if _bare_uuid(nvml.nvmlDeviceGetUUID(handle)) == wanted:
+            return handle
+    return None
+
+
+def _bare_uuid(uuid: str | bytes) -> str:
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text.strip().lower().removeprefix("gpu-")
 
 
 def verdict(samples: list[LoadSample], cpu_pct: float = CONTENDED_CPU_PCT) -> tuple[bool, str]:

@@ -24,6 +24,7 @@ from fsdp_bench.job.parallelize import materialize, parallelize
 from fsdp_bench.job.training import (
     autocast_dtype,
     forward_backward,
+    fp32_matmul_precision,
     global_micro_batch,
     rank_batches,
 )
@@ -54,6 +55,8 @@ class ParityReport:
     """What was compared: the run's own model, or the scaled-down copy (its shape)."""
     dropout_off: bool = False
     """The model has dropout, and the check ran without it (timing keeps it)."""
+    fp32_matmul_precision: str = ""
+    """What fp32 matmuls ran as during the check (torch's highest / high), to be the run's."""
 
 
 def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
@@ -113,10 +116,10 @@ def _shallow_hf_run(run: RunConfig) -> tuple[RunConfig, str]:
 def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: int) -> ParityReport:
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer="sgd"))
     torch.manual_seed(run.data.seed)
-    model, _ = parallelize(build_model(run.model), run, mesh, device)
+    model, _ = parallelize(build_model(run.model, device.type), run, mesh, device)
     start = {_plain_name(n): _full(p).clone() for n, p in model.named_parameters()}
 
-    reference_bundle = build_model(run.model)
+    reference_bundle = build_model(run.model, device.type)
     reference = reference_bundle.module
     materialize(reference, device)
     dropout_off = has_dropout(reference)
@@ -161,6 +164,7 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         param_max_abs_diff=param_diff,
         detail="; ".join(d for d in (grad_detail, param_detail) if d),
         dropout_off=dropout_off,
+        fp32_matmul_precision=fp32_matmul_precision(),
     )
 
 

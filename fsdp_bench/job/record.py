@@ -56,6 +56,8 @@ class RankOutcome:
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
     device_used_bytes: int | None = None
+    device_used_at_init_bytes: int | None = None
+    """The job's, before any model (`worker.JobContext`)."""
     host_peak_bytes: int = 0
     device_index: int | None = None
     sdpa_backend: str | None = None
@@ -235,6 +237,9 @@ def _memory(ranks: list[RankOutcome], on_cuda: bool) -> dict[str, Any]:
         "device_used_peak_gib": (
             max(o.device_used_bytes or 0 for o in ranks) / GIB if on_cuda else None
         ),
+        "device_used_at_init_gib": (
+            max(o.device_used_at_init_bytes or 0 for o in ranks) / GIB if on_cuda else None
+        ),
         "num_alloc_retries": sum(o.num_alloc_retries or 0 for o in ranks) if on_cuda else None,
         "num_ooms": sum(o.num_ooms or 0 for o in ranks) if on_cuda else None,
     }
@@ -291,6 +296,7 @@ def _parity(parity: dict[str, Any] | None) -> dict[str, Any]:
         "parity_grad_max_abs_diff": parity["grad_max_abs_diff"],
         "parity_param_max_abs_diff": parity["param_max_abs_diff"],
         "parity_scope": parity["scope"],
+        "parity_fp32_matmul": parity.get("fp32_matmul_precision") or None,
     }
 
 

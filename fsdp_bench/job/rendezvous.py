@@ -108,6 +108,15 @@ def pick_device(kind: str, local_rank: int, device_count: int | None = None) -> 
     return device
 
 
+def device_at_init(device: torch.device) -> tuple[str | None, int | None]:
+    """(the GPU's UUID, device memory in use now) on CUDA, (None, None) elsewhere: after the
+    group's first collective, what is in use is the CUDA context and NCCL's buffers."""
+    if device.type != "cuda":
+        return None, None
+    free, total = torch.cuda.mem_get_info(device)
+    return str(torch.cuda.get_device_properties(device).uuid), total - free
+
+
 def init_process_group(
     info: RankInfo,
     device: torch.device,

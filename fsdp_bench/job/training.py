@@ -190,7 +190,16 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
-        if empty_host_cache is not None:
-            empty_host_cache()  # pinned host blocks (CPU offload's buffers)
+        empty_host_cache()  # pinned host blocks (CPU offload's buffers)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def empty_host_cache() -> None:
+    """Return the pinned host blocks the caching host allocator keeps to the system. The
+    public `torch.accelerator.empty_host_cache` is newer than torch 2.11, which has only the
+    private `torch._C._host_emptyCache`; with neither, nothing is freed (and nothing fails)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()

@@ -47,6 +47,7 @@ from fsdp_bench.job.rendezvous import (
     RankInfo,
     barrier_and_destroy,
     cpus_for_rank,
+    device_at_init,
     hostname,
     init_process_group,
     pick_device,
@@ -98,6 +99,11 @@ class JobContext:
     step in its place, as the profile is the same and costs more than the step."""
     run_pids: frozenset[int] = frozenset()
     """This job's ranks on this host: what `load.sample` does not count as competition."""
+    gpu_uuid: str | None = None
+    """The rank's GPU as NVML knows it (`load.gpu_processes`); None on CPU."""
+    device_used_at_init_bytes: int | None = None
+    """CUDA: device memory in use once the process group had run its first collective,
+    before any model: the CUDA context and NCCL's communicator and buffers."""
 
     def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
         """(world,) for FSDP; (replicas, shard group) for HSDP. Made once per job and shape."""
@@ -146,7 +152,8 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         torch.set_num_threads(job.cpu_threads_per_rank or cpus_for_rank(info))
         if not dist.is_initialized():  # `fsdp-bench run` has made the group already
             init_job_group(job, info, device, store)
-        pids = run_pids(info.world_size)
+        pids = run_pids(info.world_size)  # the first collective: NCCL's buffers exist now
+        gpu_uuid, used_at_init = device_at_init(device)
     except BaseException as err:
         pending = [r for r in job.runs if not store.has(r.run_id)]
         if not pending or classify(err) == "interrupted":
@@ -166,6 +173,8 @@ def _start(job: JobSpec, info: RankInfo, store: ResultStore) -> JobContext:
         verify=job.verify,
         collective_timeout_s=job.collective_timeout_s,
         run_pids=pids,
+        gpu_uuid=gpu_uuid,
+        device_used_at_init_bytes=used_at_init,
     )
     context.watchdog = Watchdog(lambda phase, waited_s: _hung(context, phase, waited_s))
     return context
@@ -272,16 +281,16 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     the checkpoint's cost last (`measure.checkpoint`)."""
     device, rank = context.device, context.info.rank
     mesh = context.mesh(run.mesh_shape)
+    set_fp32_matmul(run, device)  # before the parity check too: it must run as the run does
     parity = _verify(run, mesh, context) if context.verify and first_pass else None
 
     on_cuda = device.type == "cuda"
-    gpu, pids = device.index if on_cuda else None, context.run_pids
+    gpu, pids = context.gpu_uuid, context.run_pids
     load_start = sample("start", context.info.local_rank, pids, gpu)  # the ranks sleep in it
     allocated_at_start = torch.cuda.memory_allocated(device) if on_cuda else None
-    set_fp32_matmul(run, device)
     start = time.perf_counter()
     torch.manual_seed(run.data.seed)
-    bundle = build_model(run.model)
+    bundle = build_model(run.model, device.type)
     model, plan = parallelize(bundle, run, mesh, device)
     check_initialised(run.model, model, context.info.world_size)
     optimizer = build_optimizer(model, run)
@@ -319,6 +328,7 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
         setup_s=setup_s,
         compile_s=compile_time_s(run, measured),
         allocated_at_start_bytes=allocated_at_start,
+        device_used_at_init_bytes=context.device_used_at_init_bytes,
         sdpa_backend=sdpa_backend(run, device),
         parity=parity,
         load=[load_start, load_end],
