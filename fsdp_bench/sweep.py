@@ -19,7 +19,13 @@ from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
-from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.estimate import (
+    RunEstimate,
+    estimate_runs,
+    overhead,
+    predicted_oom,
+    target_device,
+)
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore, RunResult
 
@@ -83,7 +89,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     busy = {r.run_id for w in watched for r in w.runs}
     todo = [r for r in runs if r.run_id not in done and r.run_id not in busy]
     started = time.perf_counter()
-    estimates = _estimate(todo, store, options.progress)
+    estimates = _estimate(todo, store, target_device(spec.launcher), options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
     bar = progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
@@ -107,12 +113,17 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     return outcome
 
 
-def _estimate(runs: list[RunConfig], store: ResultStore, progress: bool) -> dict[str, RunEstimate]:
+def _estimate(
+    runs: list[RunConfig], store: ResultStore, device_type: str, progress: bool
+) -> dict[str, RunEstimate]:
     """Every run's memory estimate before anything launches (cached in estimates/)."""
     bar = progress_bar("estimate", len(runs)) if progress else None
     try:
         return estimate_runs(
-            runs, store.root / "estimates", on_estimate=lambda _: bar.update(1) if bar else None
+            runs,
+            store.root / "estimates",
+            device_type=device_type,
+            on_estimate=lambda _: bar.update(1) if bar else None,
         )
     finally:
         if bar is not None:

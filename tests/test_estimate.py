@@ -13,8 +13,10 @@ import pytest
 
 from fsdp_bench import load_results
 from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.simulate import simulate
+from fsdp_bench.store import GIB
 from tests.conftest import REPO, started_counts, sweep, tiny_grid, write_grid
 
 pytestmark = pytest.mark.slow
@@ -160,3 +162,28 @@ def test_estimate_command(tmp_path: Path) -> None:
     assert [r["predicted_oom"] for r in rows] == ["", ""]
     assert all(r["estimated_peak_gib"] > 0 and r["breakdown_gib"] for r in rows)
     assert pd.Series([r["run_id"] for r in rows]).is_unique
+
+
+def test_a_cuda_run_is_simulated_with_the_attention_inputs_cuda_gets(tmp_path: Path) -> None:
+    """fp32 GQA for CUDA repeats K/V to every query head (`models.attention_inputs`), and SDPA
+    saves the repeated K/V for backward. The simulation runs on CPU tensors and still sees
+    them, to the byte; an estimate cached for the CPU is not taken for CUDA."""
+    run = RunConfig(
+        model=ModelConfig(name="tiny"), data=DataConfig(micro_batch_size=2, seq_len=256)
+    )
+    found = {d: estimate_runs([run], tmp_path, device_type=d)[run.run_id] for d in ("cpu", "cuda")}
+    shape, data = run.model.shape, run.data
+    # K and V at n_heads instead of n_kv_heads heads, fp32, in every block
+    repeated = (
+        2
+        * shape.n_layers
+        * data.micro_batch_size
+        * data.seq_len
+        * 4
+        * ((shape.n_heads - shape.n_kv_heads) * shape.head_dim)
+    )
+    assert repeated > 0
+    cpu, cuda = (found[d].estimated_peak_gib for d in ("cpu", "cuda"))
+    assert cpu is not None and cuda is not None
+    assert round((cuda - cpu) * GIB) == repeated
+    assert {e.device_type for e in found.values()} == {"cpu", "cuda"}

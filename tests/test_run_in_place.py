@@ -56,7 +56,7 @@ def test_torchrun_measures_exactly_the_runs_of_its_world_size(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     assert "1 runs need world size 1 on 1 node(s): not run here" in done.stdout
     assert "1 runs need world size 4 on 1 node(s): not run here" in done.stdout
-    assert f"1 of 2 runs have a memory estimate in {results}" in done.stdout
+    assert f"1 of 2 runs have a memory estimate for cpu in {results}" in done.stdout
     df = load_results(results)
     wanted = {r.run_id for r in expand(load_grid(path)).runs if r.world_size == 2}
     assert set(df.run_id) == wanted and set(df.status) == {"ok"}

@@ -15,7 +15,7 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import ConfigError, yaml_scalar
 from fsdp_bench.launch.driver import pack_runs
-from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom, target_device
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
@@ -69,7 +69,8 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
     runs = expand(spec).runs
     check_models(runs)
     store = ResultStore(results_dir_for(spec, results))
-    estimates = estimate_runs(runs, store.root / "estimates")
+    device_type = target_device(spec.launcher)
+    estimates = estimate_runs(runs, store.root / "estimates", device_type=device_type)
     overheads = overhead(spec.memory, store)
     extra = {size: overheads.at(size) for size in sorted({r.world_size for r in runs})}
     verdicts = {

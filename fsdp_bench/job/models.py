@@ -44,8 +44,9 @@ class ModelBundle:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, device_type: str = "cpu") -> None:
         super().__init__()
+        self.repeat_fp32_gqa = device_type == "cuda"  # see attention_inputs
         self.n_heads = shape.n_heads
         self.n_kv_heads = shape.n_kv_heads
         self.head_dim = shape.head_dim
@@ -60,22 +61,25 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q, k, v, gqa = attention_inputs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v, gqa = attention_inputs(q, k, v, self.repeat_fp32_gqa)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 def attention_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat_fp32_gqa: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(q, k, v, enable_gqa) for SDPA, heads on dim 1. On CUDA, fp32 GQA inputs get K/V
-    repeated to every query head: SDPA's memory-efficient kernel takes fp32 but not
-    enable_gqa, and the math fallback is quadratic in memory and several times slower; bf16
-    keeps enable_gqa (flash takes it)."""
+    """(q, k, v, enable_gqa) for SDPA, heads on dim 1. For CUDA (`repeat_fp32_gqa`), fp32 GQA
+    inputs get K/V repeated to every query head: SDPA's memory-efficient kernel takes fp32
+    but not enable_gqa, and the math fallback is quadratic in memory and several times
+    slower; bf16 keeps enable_gqa (flash takes it). Decided by the device the model is built
+    for, not the tensors' own: the memory simulation runs a CUDA run's step on CPU tensors
+    and must allocate the repeated K/V as the GPU will."""
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return q, k, v, False
-    if q.is_cuda and q.dtype == torch.float32:
+    if repeat_fp32_gqa and q.dtype == torch.float32:
         return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
     return q, k, v, True
 
@@ -91,7 +95,7 @@ def attention_backend(
     seq = min(seq_len, 256)
     q = torch.zeros(1, shape.n_heads, seq, shape.head_dim, dtype=dtype, device=device)
     k = torch.zeros(1, shape.n_kv_heads, seq, shape.head_dim, dtype=dtype, device=device)
-    q, k, v, gqa = attention_inputs(q, k, k)
+    q, k, v, gqa = attention_inputs(q, k, k, device.type == "cuda")
     choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa)
     return str(SDPBackend(choice).name)
 
@@ -110,10 +114,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, device_type: str = "cpu") -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
-        self.attention = Attention(shape)
+        self.attention = Attention(shape, device_type)
         self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
 
@@ -123,13 +127,16 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama-style decoder; `output` shares `tok_embeddings.weight` when tie_embeddings is set."""
+    """Llama-style decoder; `output` shares `tok_embeddings.weight` when tie_embeddings is set.
+    `device_type`: where it will run (its attention's kernel choice, `attention_inputs`)."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, device_type: str = "cpu") -> None:
         super().__init__()
         self.shape = shape
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
-        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(shape, device_type) for _ in range(shape.n_layers)
+        )
         self.norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
@@ -179,8 +186,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated.type_as(x)
 
 
-def build_model(config: ModelConfig) -> ModelBundle:
-    """Build the model with its parameters on the meta device (no memory is allocated)."""
+def build_model(config: ModelConfig, device_type: str = "cpu") -> ModelBundle:
+    """Build the model with its parameters on the meta device (no memory is allocated), for
+    a run on `device_type` (a preset's attention chooses its kernel inputs by it)."""
     with parameters_on_meta():
         if config.is_hf_model:
             from fsdp_bench.job.hf import build_hf_model  # transformers: only when asked for
@@ -190,7 +198,7 @@ def build_model(config: ModelConfig) -> ModelBundle:
         if config.is_user_model:
             return _call_user_model(config)
         shape = config.shape
-        model = Transformer(shape)
+        model = Transformer(shape, device_type)
         return ModelBundle(
             module=model,
             blocks=list(model.layers),

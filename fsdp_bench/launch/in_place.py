@@ -28,7 +28,7 @@ from fsdp_bench.job.failures import handle_scheduler_signals
 from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
 from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
 from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
-from fsdp_bench.memory.estimate import cached_estimates
+from fsdp_bench.memory.estimate import cached_estimates, target_device
 from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
 
@@ -61,7 +61,7 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
     if info.rank == 0:  # the one that writes the records
         store.root.mkdir(parents=True, exist_ok=True)
         store.save_grid(spec.source)
-        estimates = _cached_estimates(runs, store)
+        estimates = _cached_estimates(runs, store, target_device(launcher))
     job = JobSpec(
         runs=tuple(runs),
         results_dir=str(store.root.resolve()),
@@ -147,14 +147,18 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def _cached_estimates(runs: list[RunConfig], store: ResultStore) -> dict[str, EstimatedPeaks]:
+def _cached_estimates(
+    runs: list[RunConfig], store: ResultStore, device_type: str
+) -> dict[str, EstimatedPeaks]:
     """Runs are not estimated here, where the allocation's time is for measuring: the records
-    take the estimates `fsdp-bench estimate` left in the folder, and rank 0 says how many."""
-    found = cached_estimates(runs, store.root / "estimates")
+    take the estimates `fsdp-bench estimate` left in the folder for this device, and rank 0
+    says how many."""
+    found = cached_estimates(runs, store.root / "estimates", device_type)
     if len(found) < len(runs):
-        print(f"fsdp-bench run: {len(found)} of {len(runs)} runs have a memory estimate in "
-              f"{store.root}; to add the others, run 'fsdp-bench estimate GRID --results "
-              f"{store.root}' before launching", flush=True)  # fmt: skip
+        print(f"fsdp-bench run: {len(found)} of {len(runs)} runs have a memory estimate for "
+              f"{device_type} in {store.root}; to add the others, run 'fsdp-bench estimate "
+              f"GRID --results {store.root}' before launching (on a machine without GPUs, "
+              "with launcher.device: cuda in the grid)", flush=True)  # fmt: skip
     return {run_id: estimate.peaks for run_id, estimate in found.items()}
 
 

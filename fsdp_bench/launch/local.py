@@ -17,6 +17,7 @@ from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.worker import JobSpec, run_job
 from fsdp_bench.launch.base import tail
+from fsdp_bench.memory.estimate import target_device
 
 
 @dataclass
@@ -115,13 +116,7 @@ class LocalLauncher:
         return sorted(found)
 
     def _uses_cuda(self) -> bool:
-        if self.config.device == "cuda":
-            return True
-        if self.config.device == "cpu":
-            return False
-        import torch
-
-        return torch.cuda.is_available()
+        return target_device(self.config) == "cuda"
 
 
 @contextlib.contextmanager

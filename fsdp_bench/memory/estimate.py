@@ -6,6 +6,7 @@ The simulated figure is what pruning trusts; the analytic one explains it term b
 
 from __future__ import annotations
 
+import functools
 import json
 import traceback
 from collections.abc import Callable, Iterator
@@ -13,16 +14,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_bench import __version__
+from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import MemoryConfig, RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
 from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-3"
+CACHE_VERSION = f"{__version__}/estimator-4"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
-buckets)."""
+buckets; 4: the model built for the run's device)."""
+
+
+def target_device(launcher: LauncherConfig) -> str:
+    """The device type (cuda or cpu) a grid's runs will run on, which the estimate builds its
+    models for: launcher.device, or for auto what the jobs will pick (on Slurm: GPUs
+    requested or not; locally: whether this machine has CUDA; CUDA is not initialised)."""
+    device = launcher.job_device
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -46,6 +60,8 @@ class RunEstimate:
     """Why the simulation failed (the run is then neither pruned nor compared)."""
     model_source: str = ""
     """A user model's source digest when estimated: an edited model is estimated again."""
+    device_type: str = "cpu"
+    """The device the run was estimated for (`target_device`)."""
     version: str = CACHE_VERSION
 
     @property
@@ -53,20 +69,21 @@ class RunEstimate:
         return EstimatedPeaks(self.estimated_peak_gib, self.analytic_peak_gib)
 
 
-def estimate_run(run: RunConfig) -> RunEstimate:
-    """Both estimates of one run (runs in a pool worker)."""
+def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
+    """Both estimates of one run on `device_type` (runs in a pool worker)."""
     from fsdp_bench.memory.simulate import simulate  # torch: only in the process that simulates
 
     analytic = analytic_estimate(run) if not run.model.is_user_model else None
     estimate = RunEstimate(
         run_id=run.run_id,
+        device_type=device_type,
         estimated_peak_gib=None,
         analytic_peak_gib=analytic.peak_bytes / GIB if analytic else None,
         analytic_terms_gib={k: v / GIB for k, v in analytic.terms.items()} if analytic else {},
         analytic_lower_bound_gib=analytic.lower_bound_bytes / GIB if analytic else None,
     )
     try:
-        simulated = simulate(run)
+        simulated = simulate(run, device_type=device_type)
     except Exception as err:  # an estimate that fails is reported, not fatal
         estimate.error = "".join(traceback.format_exception_only(type(err), err)).strip()
         return estimate
@@ -82,14 +99,16 @@ def estimate_runs(
     runs: list[RunConfig],
     cache_dir: Path | None,
     *,
+    device_type: str = "cpu",
     on_estimate: Callable[[RunEstimate], None] | None = None,
 ) -> dict[str, RunEstimate]:
-    """Estimates of every run, from the cache where present, else simulated in parallel."""
+    """Estimates of every run on `device_type` (`target_device`), from the cache where
+    present, else simulated in parallel."""
     digests = source_digests(runs)  # the files as they are when estimated
-    found = cached_estimates(runs, cache_dir, digests)
+    found = cached_estimates(runs, cache_dir, device_type, digests)
     missing = [run for run in runs if run.run_id not in found]
     name_of = {run.run_id: run.model.name for run in missing}
-    for estimate in _compute(missing):
+    for estimate in _compute(missing, device_type):
         estimate.model_source = digests[name_of[estimate.run_id]]
         found[estimate.run_id] = estimate
         if cache_dir is not None and not estimate.error:
@@ -100,24 +119,33 @@ def estimate_runs(
 
 
 def cached_estimates(
-    runs: list[RunConfig], cache_dir: Path | None, digests: dict[str, str] | None = None
+    runs: list[RunConfig],
+    cache_dir: Path | None,
+    device_type: str,
+    digests: dict[str, str] | None = None,
 ) -> dict[str, RunEstimate]:
-    """The estimates of `runs` found in the cache that are still valid: made by this estimator,
-    of the user's model as it is now (`digests`: `source_digests(runs)`, if already read)."""
+    """The estimates of `runs` found in the cache that are still valid: made by this estimator
+    for `device_type`, of the user's model as it is now (`digests`: `source_digests(runs)`,
+    if already read)."""
     digests = source_digests(runs) if digests is None else digests
     found = {}
     for run in runs:
         cached = _read_cache(cache_dir, run.run_id)
-        if cached is not None and cached.model_source == digests[run.model.name]:
+        if (
+            cached is not None
+            and cached.device_type == device_type
+            and cached.model_source == digests[run.model.name]
+        ):
             found[run.run_id] = cached
     return found
 
 
-def _compute(runs: list[RunConfig]) -> Iterator[RunEstimate]:
+def _compute(runs: list[RunConfig], device_type: str) -> Iterator[RunEstimate]:
     """A user's models in fresh processes, which import their code as it is now."""
+    estimate = functools.partial(estimate_run, device_type=device_type)  # picklable
     for user_code in (False, True):
         group = [run for run in runs if run.model.is_user_model == user_code]
-        yield from (e for _, e in in_subprocesses(estimate_run, group, user_code=user_code))
+        yield from (e for _, e in in_subprocesses(estimate, group, user_code=user_code))
 
 
 def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:

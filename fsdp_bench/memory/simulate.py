@@ -46,13 +46,16 @@ class SimulatedEstimate:
     not part of `peak_bytes`, which is the accelerator's."""
 
 
-def simulate(run: RunConfig, *, extrapolate: bool = True) -> SimulatedEstimate:
-    """Peak tracked memory of rank 0 of `run`, without running it."""
+def simulate(
+    run: RunConfig, *, device_type: str = "cpu", extrapolate: bool = True
+) -> SimulatedEstimate:
+    """Peak tracked memory of rank 0 of `run` on `device_type` (cuda or cpu), without
+    running it: the tensors are the CPU's, fake, but the model is built as for that device."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     start = time.perf_counter()
-    points = _settled_line(run) if extrapolate else None
+    points = _settled_line(run, device_type) if extrapolate else None
     if points is None:
-        report = simulate_step(run)
+        report = simulate_step(run, device_type)
         return _on_device(
             report.peak_bytes,
             report.breakdown_bytes,
@@ -107,7 +110,7 @@ SETTLED = 0.002
 MAX_SMALL_MODELS = 6
 
 
-def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None:
+def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, MemoryReport], ...] | None:
     """Two small block counts on the straight part of peak(blocks), simulated; None: simulate
     the whole model (user models, uneven groups, or no straight part found cheaply).
 
@@ -130,7 +133,7 @@ def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None
         spent += count
         if spent > target:
             return None
-        points.append((count, simulate_step(_with_layers(run, count))))
+        points.append((count, simulate_step(_with_layers(run, count), device_type)))
         if len(points) >= 3:
             (n0, p0), (n1, p1), (n2, p2) = points[-3:]
             slope_a = (p1.peak_bytes - p0.peak_bytes) / (n1 - n0)
@@ -140,7 +143,7 @@ def _settled_line(run: RunConfig) -> tuple[tuple[int, MemoryReport], ...] | None
     return None
 
 
-def simulate_step(run: RunConfig) -> MemoryReport:
+def simulate_step(run: RunConfig, device_type: str = "cpu") -> MemoryReport:
     """The optimizer's state made (`_create_optimizer_state`), then the profiled step, all on
     fake tensors.
 
@@ -152,7 +155,7 @@ def simulate_step(run: RunConfig) -> MemoryReport:
         mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
         device = torch.device("cpu")
         torch.manual_seed(run.data.seed)
-        bundle = build_model(run.model)
+        bundle = build_model(run.model, device_type)
         model, _ = wrap_on_meta(bundle, run, mesh, device)
         with fake_tensors():
             materialize(model, device)

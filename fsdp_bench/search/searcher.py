@@ -35,7 +35,13 @@ from fsdp_bench.config.run import RunConfig, SearchConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
-from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.estimate import (
+    RunEstimate,
+    estimate_runs,
+    overhead,
+    predicted_oom,
+    target_device,
+)
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.search.confirm import Confirmation, confirm, skip_reason
 from fsdp_bench.search.samplers import make_sampler
@@ -154,6 +160,7 @@ class Searcher:
             raise ConfigError(f"{spec.source}: axes: a search needs at least one axis")
         self.space_size = math.prod(len(values) for values in self.space.values())
         self.overheads = overhead(spec.memory, store)
+        self.device_type = target_device(spec.launcher)
         self.driver: Driver | None = None
         self.pending: dict[str, list[optuna.trial.Trial]] = {}
         self.watched_runs: set[str] = set()
@@ -241,11 +248,14 @@ class Searcher:
         return None
 
     def _estimate(self, run: RunConfig) -> RunEstimate:
-        return estimate_runs([run], self.store.root / "estimates")[run.run_id]
+        return self._estimates([run])[run.run_id]
 
     def estimated_peaks(self, runs: list[RunConfig]) -> dict[str, EstimatedPeaks]:
-        found = estimate_runs(runs, self.store.root / "estimates")
+        found = self._estimates(runs)
         return {k: e.peaks for k, e in found.items()}
+
+    def _estimates(self, runs: list[RunConfig]) -> dict[str, RunEstimate]:
+        return estimate_runs(runs, self.store.root / "estimates", device_type=self.device_type)
 
     # telling
 
