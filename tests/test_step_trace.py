@@ -4,6 +4,7 @@ timelines, and on real profiled steps of a two-rank gloo job."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -11,9 +12,15 @@ import pytest
 
 from fsdp_bench.job.intervals import length, uncovered, union
 from fsdp_bench.job.memory_timeline import MAX_POINTS
-from fsdp_bench.job.step_trace import MARK_PREFIX, TimelineEvent, breakdown
+from fsdp_bench.job.step_trace import (
+    MARK_PREFIX,
+    PhaseClock,
+    TimelineEvent,
+    breakdown,
+    timeline_from_trace,
+)
 from fsdp_bench.report import figure_data, tables
-from tests.conftest import sweep, tiny_grid
+from tests.conftest import REPO, sweep, tiny_grid
 
 MAIN, GLOO = 1, 2
 
@@ -53,22 +60,48 @@ def test_cpu_breakdown_counts_what_the_main_thread_did_not_cover() -> None:
     assert found.all_gather_s == [100e-6, 100e-6] and found.all_gather_exposed_s == [100e-6, 0.0]
 
 
-def test_cuda_breakdown_reads_nccl_kernels_against_other_kernels() -> None:
-    def kernel(name: str, start: float, end: float) -> TimelineEvent:
-        return TimelineEvent(name, start, end, thread=7, on_device=True)
-
-    events = [
-        _cpu(MARK_PREFIX + "forward", 0, 50),  # the CPU side runs ahead of the device
-        kernel(MARK_PREFIX + "forward", 10, 300),
-        kernel("ncclDevKernel_AllGather_RING_LL", 10, 110),
-        kernel("ampere_sgemm_128x64_tn", 60, 300),
-        _cpu("nccl:all_gather", 5, 8),  # the launch, not the transfer
-    ]
-    found = breakdown(events, on_cuda=True)
-    assert found.forward_s == pytest.approx(290e-6), "the device-side range"
+def test_cuda_breakdown_reads_nccl_kernels_against_kernels_not_annotations() -> None:
+    """A CUDA step's trace (tests/data, in torch.profiler's format): the NCCL kernel half
+    under a matmul. The device-side annotations (FSDP::pre_forward over all of it, the
+    nccl: range, Optimizer.step over idle time) are neither compute nor communication:
+    counted as kernels, nothing would be exposed and communication would grow."""
+    events = timeline_from_trace(REPO / "tests" / "data" / "cuda_step_trace.json")
+    assert sum(e.annotation and e.on_device for e in events) == 4
+    phases = {"forward": 290e-6, "backward": 0.0, "optimizer": 100e-6, "step": 390e-6}
+    found = breakdown(events, on_cuda=True, phase_s=phases)
     assert found.comm_s == pytest.approx(100e-6) and found.exposed_comm_s == pytest.approx(50e-6)
+    assert found.all_gather_s == [pytest.approx(100e-6)]
     assert found.all_gather_exposed_s == [pytest.approx(50e-6)]
+    assert (found.forward_s, found.optimizer_s, found.step_s) == (290e-6, 100e-6, 390e-6)
     assert breakdown([], on_cuda=False).comm_hidden_pct is None
+
+
+@dataclass
+class FakeEvent:
+    """A timing event that reads a clock the test moves (CUDA events need a GPU)."""
+
+    clock: list[float]
+    at_ms: float | None = None
+
+    def record(self) -> None:
+        self.at_ms = self.clock[0]
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at_ms is not None and end.at_ms is not None
+        return end.at_ms - self.at_ms
+
+
+def test_the_phase_clock_sums_each_phase_over_micro_batches() -> None:
+    """Two micro-batches, then the optimizer, each phase lasting what the device says."""
+    clock = [0.0]
+    phases = PhaseClock(lambda: FakeEvent(clock))
+    for phase, lasts_ms in [("forward", 3), ("backward", 6), ("forward", 2), ("backward", 5),
+                            ("optimizer", 1)]:  # fmt: skip
+        with phases(phase):
+            clock[0] += lasts_ms
+    assert phases.seconds() == pytest.approx(
+        {"forward": 5e-3, "backward": 11e-3, "optimizer": 1e-3, "step": 17e-3}
+    )
 
 
 @pytest.mark.slow
@@ -90,6 +123,11 @@ def test_a_two_rank_step_is_broken_down_its_memory_drawn_and_its_trace_kept(
             trace = tmp_path / "results" / "traces" / run["run_id"] / f"rank{rank}.json"
             names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
             assert {MARK_PREFIX + p for p in ("forward", "backward", "optimizer")} <= names
+        # rank 0's kept trace, read back, breaks down as the profiler's live events did
+        trace = tmp_path / "results" / "traces" / run["run_id"] / "rank0.json"
+        again = breakdown(timeline_from_trace(trace), on_cuda=False)
+        for name in ("forward_s", "backward_s", "optimizer_s", "comm_s", "exposed_comm_s"):
+            assert getattr(again, name) == pytest.approx(run[name], rel=1e-3, abs=1e-6), name
     root = df[df["grouping"] == "root"].iloc[0]
     first_s, first_exposed_s = root["all_gather_s"][0], root["all_gather_exposed_s"][0]
     assert first_exposed_s == pytest.approx(first_s, rel=0.1), "nothing to hide it behind"

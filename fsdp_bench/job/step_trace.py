@@ -2,20 +2,29 @@
 marked, read back as forward / backward / optimizer time and as communication, the part of it
 no compute covered (exposed) and the all-gathers' achieved bandwidth.
 
+Phases on CUDA are timed by CUDA events recorded on the current stream at each phase's
+start and end (`PhaseClock`): the profiler's ranges are the CPU's, and on CUDA the CPU only
+launches (backward's kernels come from autograd's device thread, outside the main thread's
+range). On CPU the phases are the marks' own ranges on the main thread.
+
 Communication is the backends' own work events: on CUDA the NCCL kernels on the device
-timeline, against every other kernel as compute; on CPU the c10d backend's work (gloo's
-`gloo:*` events, from enqueue to completion) against the operators the rank's main thread
-ran. On CPU + gloo nothing computes while the main thread waits for a collective, so what
-overlaps is at most what gloo's threads did while the main thread worked on: in practice
-exposed is nearly all of it (the README says so); on GPUs the split is the point (seed 000,
-section 05: the fraction of communication hidden by compute).
+timeline, against every other kernel as compute (device-side user annotations, such as the
+`FSDP::*`, `nccl:*` and `Optimizer.step#...` ranges, are spans over kernels, not kernels: they
+are left out); on CPU the c10d backend's work (gloo's `gloo:*` events, from enqueue to
+completion) against the operators the rank's main thread ran. On CPU + gloo nothing computes
+while the main thread waits for a collective, so what overlaps is at most what gloo's threads
+did while the main thread worked on: in practice exposed is nearly all of it (the README says
+so); on GPUs the split is the point (seed 000, section 05: the fraction of communication
+hidden by compute).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +51,8 @@ class TimelineEvent:
     end_us: float
     thread: int
     on_device: bool
+    annotation: bool = False
+    """A user annotation (record_function range), not work of its own."""
 
 
 @dataclass
@@ -67,22 +78,20 @@ class StepBreakdown:
         return 100.0 * (1 - self.exposed_comm_s / self.comm_s)
 
 
-def _marked(events: Iterable[TimelineEvent], phase: str, on_device: bool) -> list[Interval]:
+def _marked(events: Iterable[TimelineEvent], phase: str) -> list[Interval]:
     name = MARK_PREFIX + phase
-    return [(e.start_us, e.end_us) for e in events if e.name == name and e.on_device == on_device]
+    return [(e.start_us, e.end_us) for e in events if e.name == name and not e.on_device]
 
 
-def breakdown(events: list[TimelineEvent], on_cuda: bool) -> StepBreakdown:
+def breakdown(
+    events: list[TimelineEvent], on_cuda: bool, phase_s: dict[str, float] | None = None
+) -> StepBreakdown:
     """The step's phases and communication from its events (pure: tests hand it events).
 
-    Phases come from the step's marks (on CUDA their device-side ranges when the profiler
-    gives them, else the CPU side); communication on CUDA from NCCL kernels against every
-    other kernel, on CPU from the backend's work events against the main thread's operators.
-    """
-    phases = {phase: _marked(events, phase, on_device=True) if on_cuda else [] for phase in PHASES}
-    for phase in PHASES:
-        if not phases[phase]:
-            phases[phase] = _marked(events, phase, on_device=False)
+    Phases are `phase_s` where given (on CUDA: `PhaseClock.seconds`, which has "step" too),
+    else the CPU-side ranges of the step's marks; communication on CUDA from NCCL kernels
+    against every other kernel, on CPU from the backend's work events against the main
+    thread's operators."""
     comm, compute = _comm_and_compute(events, on_cuda)
     comm_spans = [(e.start_us, e.end_us) for e in comm]
     gathers = [
@@ -90,12 +99,16 @@ def breakdown(events: list[TimelineEvent], on_cuda: bool) -> StepBreakdown:
         for e in sorted(comm, key=lambda e: e.start_us)
         if _ALL_GATHER.search(e.name)
     ]
-    step = union(i for spans in phases.values() for i in spans)
+    if phase_s is None:
+        marks = {phase: _marked(events, phase) for phase in PHASES}
+        step = union(i for spans in marks.values() for i in spans)
+        phase_s = {phase: length(spans) / 1e6 for phase, spans in marks.items()}
+        phase_s["step"] = (step[-1][1] - step[0][0]) / 1e6 if step else 0.0
     return StepBreakdown(
-        step_s=(step[-1][1] - step[0][0]) / 1e6 if step else 0.0,
-        forward_s=length(phases["forward"]) / 1e6,
-        backward_s=length(phases["backward"]) / 1e6,
-        optimizer_s=length(phases["optimizer"]) / 1e6,
+        step_s=phase_s["step"],
+        forward_s=phase_s["forward"],
+        backward_s=phase_s["backward"],
+        optimizer_s=phase_s["optimizer"],
         comm_s=length(comm_spans) / 1e6,
         exposed_comm_s=uncovered(comm_spans, compute) / 1e6,
         all_gather_s=[(end - start) / 1e6 for start, end in gathers],
@@ -108,7 +121,7 @@ def _comm_and_compute(
 ) -> tuple[list[TimelineEvent], list[Interval]]:
     """The collectives' events, and the intervals of compute they may hide behind."""
     if on_cuda:
-        kernels = [e for e in events if e.on_device and not e.name.startswith(MARK_PREFIX)]
+        kernels = [e for e in events if e.on_device and not e.annotation]
         comm = [e for e in kernels if _DEVICE_COMM.search(e.name)]
         compute = [(e.start_us, e.end_us) for e in kernels if not _DEVICE_COMM.search(e.name)]
         return comm, compute
@@ -136,14 +149,42 @@ def timeline(profiler: Any) -> list[TimelineEvent]:
     if raw is None:
         return [
             TimelineEvent(e.name, e.time_range.start, e.time_range.end, e.thread,
-                          e.device_type != DeviceType.CPU)
+                          e.device_type != DeviceType.CPU,
+                          bool(getattr(e, "is_user_annotation", False)))
             for e in profiler.events()
         ]  # fmt: skip
     return [
         TimelineEvent(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.start_thread_id(),
-                      e.device_type() != DeviceType.CPU)
+                      e.device_type() != DeviceType.CPU, e.is_user_annotation())
         for e in raw()
     ]  # fmt: skip
+
+
+_DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+_ANNOTATION_CATEGORIES = {"user_annotation", "gpu_user_annotation"}
+
+
+def timeline_from_trace(path: Path) -> list[TimelineEvent]:
+    """The events of a kept trace (`trace_file`, Chrome trace format as torch.profiler
+    exports it), so that a step can be broken down again from its file: what the profiler
+    gave live, read from the events' categories (`cat`) instead."""
+    events = []
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        category = e.get("cat", "")
+        thread = e.get("tid", 0)
+        events.append(
+            TimelineEvent(
+                name=e.get("name", ""),
+                start_us=float(e["ts"]),
+                end_us=float(e["ts"]) + float(e["dur"]),
+                thread=thread if isinstance(thread, int) else hash(thread),
+                on_device=category in _DEVICE_CATEGORIES,
+                annotation=category in _ANNOTATION_CATEGORIES,
+            )
+        )
+    return events
 
 
 def trace_file(run: RunConfig, results: Path, rank: int) -> Path | None:
@@ -158,6 +199,39 @@ def _mark(phase: str) -> Any:
     return torch.profiler.record_function(MARK_PREFIX + phase)
 
 
+@dataclass
+class PhaseClock:
+    """Marks each phase of a step (a `Mark`) and times it on the device: an event recorded on
+    the current stream at its start and at its end. The step's kernels run on that stream in
+    launch order, and FSDP2 and DDP make it wait for their communication streams before
+    backward returns, so an interval spans the device work of its phase. Read after a
+    synchronisation. `make_event` makes a timing event (`torch.cuda.Event`; tests pass their
+    own)."""
+
+    make_event: Callable[[], Any]
+    spans: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start, end = self.make_event(), self.make_event()
+        with _mark(phase):  # the range stays in the trace, for people reading it
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+        self.spans.append((phase, start, end))
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase's seconds (all its spans, e.g. every micro-batch's forward) and the
+        whole step's, from the first start to the last end."""
+        found = dict.fromkeys(PHASES, 0.0)
+        for phase, start, end in self.spans:
+            found[phase] += start.elapsed_time(end) / 1e3  # milliseconds
+        found["step"] = self.spans[0][1].elapsed_time(self.spans[-1][2]) / 1e3
+        return found
+
+
 def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -165,14 +239,15 @@ def trace_step(
     run: RunConfig,
     trace_path: Path | None = None,
 ) -> StepBreakdown:
-    """One untimed step under the profiler, its phases marked; the trace written to
-    `trace_path` (Chrome trace format, opens in Perfetto) when given."""
+    """One untimed step under the profiler, its phases marked (on CUDA, timed by events);
+    the trace written to `trace_path` (Chrome trace format, opens in Perfetto) when given."""
     from torch.profiler import ProfilerActivity, profile
 
     device = batches[0][0].device
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    step = make_train_step(model, optimizer, batches, run, mark=_mark)
+    clock = PhaseClock(lambda: torch.cuda.Event(enable_timing=True)) if on_cuda else None
+    step = make_train_step(model, optimizer, batches, run, mark=clock or _mark)
     synchronize(device)
     with profile(activities=activities) as profiler:
         step()
@@ -180,4 +255,4 @@ def trace_step(
     if trace_path is not None:
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace_path))
-    return breakdown(timeline(profiler), on_cuda)
+    return breakdown(timeline(profiler), on_cuda, clock.seconds() if clock else None)
