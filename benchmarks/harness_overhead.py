@@ -33,6 +33,7 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
+from fsdp_bench.job.timing import slowest_over_ranks
 from fsdp_bench.job.training import synchronize
 from fsdp_bench.job.worker import JobContext, execute_run
 from fsdp_bench.store import ResultStore
@@ -42,7 +43,7 @@ def bare_step_time(run: RunConfig, device: torch.device, steps: int, repeats: in
     """Median seconds per step of a hand-written FSDP2 loop (no fsdp-bench code in the loop)."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(run.model.shape)
+        model = Transformer(run.model.shape, device.type)
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
@@ -71,9 +72,7 @@ def bare_step_time(run: RunConfig, device: torch.device, steps: int, repeats: in
             step()
         synchronize(device)  # on CUDA the step is queued, not done, until synchronised
         times.append((time.perf_counter() - begin) / steps)
-    slowest = torch.tensor(times)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    return statistics.median(slowest_over_ranks(times, device))
 
 
 def compare(run: RunConfig, rounds: int, results_dir: str) -> tuple[list[tuple[float, float]], str]:
@@ -96,9 +95,9 @@ def compare(run: RunConfig, rounds: int, results_dir: str) -> tuple[list[tuple[f
                 )
             else:
                 outcome = execute_run(run, context)
-                slowest = torch.tensor(outcome.step_times_s)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                measured[which] = statistics.median(slowest.tolist())
+                measured[which] = statistics.median(
+                    slowest_over_ranks(outcome.step_times_s, device)
+                )
         pairs.append((measured["bare"], measured["harness"]))
     barrier_and_destroy()
     return pairs, device.type

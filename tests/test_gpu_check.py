@@ -1,58 +1,98 @@
-"""benchmarks/gpu_check.py, the one command for a lent GPU, kept working on CPU."""
+"""benchmarks/gpu_check.py, the one command for a lent GPU: kept working on CPU, and able to
+fail."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 from tests.conftest import REPO
 
+GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"
 
-def test_a_spent_time_budget_skips_the_parts_left_and_still_reports(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-               "--out", str(tmp_path), "--budget-s", "0",
-               "--only", "environment", "models"]  # fmt: skip
+
+def gpu_check_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failing_part_fails_the_check_and_the_report_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One part whose expectation does not hold, one that raises, one that passes: exit 1,
+    and the summary, the markdown and the JSON name both failures; the passing part and the
+    environment are still reported."""
+    check = gpu_check_module()
+
+    def oom_misread(_: Any) -> dict[str, Any]:
+        result: dict[str, Any] = {"injected_oom_recorded_as": ["error"]}
+        check.expect(result, "the injected OOM recorded as oom", False)
+        check.expect(result, "the twins share a peak", True)
+        return result
+
+    def broken(_: Any) -> dict[str, Any]:
+        raise RuntimeError("no backend type associated with device type cpu")
+
+    def fine(_: Any) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        check.expect(result, "it holds", True)
+        return result
+
+    parts = [check.PARTS[0], ("failures", oom_misread), ("harness", broken), ("timer", fine)]
+    monkeypatch.setattr(check, "PARTS", parts)
+    assert check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["summary"].startswith(
+        "FAILED: failures (the injected OOM recorded as oom); harness (error)"
+    )
+    assert report["cuda_initialised_here"] is False
+    assert list(report["parts"]) == ["environment", "failures", "harness", "timer"]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## failures: FAILED" in text and "- [ ] the injected OOM recorded as oom" in text
+    assert "## harness: FAILED" in text and "no backend type associated" in text
+    assert "## timer: passed" in text and "## environment: passed" in text
+
+
+def test_a_spent_time_budget_skips_the_parts_left_and_says_the_check_is_incomplete(
+    tmp_path: Path,
+) -> None:
+    command = [sys.executable, str(GPU_CHECK), "--device", "cpu", "--out", str(tmp_path),
+               "--budget-s", "0", "--only", "models"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 2, done.stderr[-3000:]
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
-    assert list(parts) == ["environment", "models"]
-    assert all(part["skipped"].startswith("the time budget (0 s)") for part in parts.values())
-    assert "## models" in (tmp_path / "gpu_check.md").read_text()
+    assert list(parts) == ["environment", "models"]  # the environment always runs
+    assert parts["models"]["skipped"].startswith("the time budget (0 s)")
+    assert "## models: skipped" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.slow
-def test_the_gpu_check_runs_on_cpu_and_reports_every_part(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-               "--out", str(tmp_path)]  # fmt: skip
+def test_the_gpu_check_runs_on_cpu_and_every_part_passes(tmp_path: Path) -> None:
+    command = [sys.executable, str(GPU_CHECK), "--device", "cpu", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert done.returncode == 0, report["summary"] + done.stderr[-3000:]
     parts = report["parts"]
-    assert not [name for name, part in parts.items() if "error" in part]
-    assert {r["status"] for r in parts["models"]["runs"]} == {"ok"}
-    assert all(abs(r["estimated_peak_gib_error_pct"]) < 5 for r in parts["models"]["runs"])
-    assert [r["parity_ok"] for r in parts["parity"]["runs"]] == [True] * 5
-    assert parts["failures"]["injected_oom_recorded_as"] == ["oom"]
-    assert parts["failures"]["twins_same_peak"]
-    assert parts["harness"]["returncode"] == 0 and parts["harness"]["ratio_of_medians"] > 0
-    assert parts["harness"]["ranks_on"] == "cpu"
-    assert parts["timer"]["skipped"] and parts["multi_gpu"]["skipped"]
+    verdicts = {name: gpu_check_module().verdict(part) for name, part in parts.items()}
+    applicable = {n for n in verdicts if n not in ("timer", "multi_gpu")}
+    assert verdicts == {**dict.fromkeys(applicable, "passed"),
+                        "timer": "not applicable", "multi_gpu": "not applicable"}  # fmt: skip
+    assert all(parts[name]["expectations"] for name in applicable - {"environment"})
+    assert report["cuda_initialised_here"] is False
     breakdown = parts["step_breakdown"]["runs"]
     assert {(r["world_size"], r["status"]) for r in breakdown} == {(1, "ok"), (2, "ok")}
-    assert all(r["checkpoint_restore_ok"] and r["checkpoint_reshard_ok"] for r in breakdown)
-    assert all(s == 0 for s in parts["step_breakdown"]["world_size_1_exposed_comm_s"])
-    assert all(r["memory_peak_at"] for r in breakdown)
     assert set(parts["step_breakdown"]["rank0_trace_files"]) == {"rank0.json"}  # no CUDA snapshot
-    compile_runs = parts["compile"]["runs"]
-    assert [(r["compile"], r["status"], r["parity_ok"]) for r in compile_runs] == [
-        ("none", "ok", True), ("block", "ok", True)]  # fmt: skip
-    assert parts["compile"]["compiled_over_eager_tokens_per_s"] > 0
-    under = parts["torchrun"]
-    assert under["returncode"] == 0 and [(r["status"], r["launcher"]) for r in under["runs"]] == [
-        ("ok", "torchrun")]  # fmt: skip
+    assert [r["fp32_matmul"] for r in parts["parity"]["runs"]].count("tf32") == 1
     text = (tmp_path / "gpu_check.md").read_text()
-    assert all(f"## {name}" in text for name in parts)
+    assert all(f"## {name}: " in text for name in parts)
