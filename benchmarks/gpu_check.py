@@ -369,11 +369,40 @@ def timer(check: Check) -> dict[str, Any]:
     executor = submitit.LocalExecutor(folder=check.out / "results" / "timer")
     executor.update_parameters(tasks_per_node=1, nodes=1, timeout_min=10, gpus_per_node=1)
     job = executor.submit(_time_both_ways, str(check.out / "results" / "timer"))
-    result: dict[str, Any] = job.results()[0]
+    return timer_verdict(job.results()[0])
+
+
+def timer_verdict(result: dict[str, Any]) -> dict[str, Any]:
     low, high = TIMER_BOUNDS
     expect(result, f"wall clock over events between {low} and {high}",
            low <= result["ratio_of_medians"] <= high)  # fmt: skip
     return result
+
+
+def compare_timers(
+    step: Callable[[], None],
+    time_repeat: Callable[[Callable[[], None], int], list[float]],
+    synchronize: Callable[[], None],
+    steps: int = 5,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """`time_repeat(step, steps)` (the worker's timing) against each step between two
+    synchronisations by perf_counter, interleaved repeat by repeat."""
+    events_s: list[float] = []
+    wall_s: list[float] = []
+    for _ in range(repeats):
+        events_s += time_repeat(step, steps)
+        for _ in range(steps):
+            synchronize()
+            began = time.perf_counter()
+            step()
+            synchronize()
+            wall_s.append(time.perf_counter() - began)
+    return {
+        "events_s": events_s,
+        "perf_counter_s": wall_s,
+        "ratio_of_medians": statistics.median(wall_s) / statistics.median(events_s),
+    }
 
 
 def _time_both_ways(folder: str) -> dict[str, Any]:
@@ -400,22 +429,11 @@ def _time_both_ways(folder: str) -> dict[str, Any]:
     step = make_train_step(model, optimizer, rank_batches(run, 0, bundle.vocab_size, device), run)
     for _ in range(3):
         step()
-    events_s: list[float] = []
-    wall_s: list[float] = []
-    for _ in range(3):
-        events_s += time_repeat(step, 5, device)
-        for _ in range(5):
-            torch.cuda.synchronize(device)
-            began = time.perf_counter()
-            step()
-            torch.cuda.synchronize(device)
-            wall_s.append(time.perf_counter() - began)
+    found = compare_timers(
+        step, lambda s, n: time_repeat(s, n, device), lambda: torch.cuda.synchronize(device)
+    )
     barrier_and_destroy()
-    return {
-        "events_s": events_s,
-        "perf_counter_s": wall_s,
-        "ratio_of_medians": statistics.median(wall_s) / statistics.median(events_s),
-    }
+    return found
 
 
 BREAKDOWN_COLUMNS = [

@@ -22,6 +22,7 @@ def test_cuda_run_reports_allocator_peaks_and_mfu(tmp_path: Path) -> None:
         [
             {"fsdp.cpu_offload": [False, True]},
             {"fsdp.mixed_precision": ["bf16"]},
+            {"train.fp32_matmul": ["tf32"]},
             {"strategy": ["ddp"]},
         ],
         world_size=world_size,
@@ -36,6 +37,13 @@ def test_cuda_run_reports_allocator_peaks_and_mfu(tmp_path: Path) -> None:
     assert (df.peak_memory_source == "cuda_max_memory_allocated").all()
     assert (df.peak_reserved_gib >= df.peak_memory_gib).all()
     assert (df.device_used_peak_gib >= df.peak_reserved_gib).all()  # + context, NCCL
+    assert (df.device_used_at_init_gib > 0).all()  # the CUDA context, NCCL's buffers
+    assert (df.device_used_peak_gib > df.device_used_at_init_gib).all()
+    assert (df.gpu_other_processes.fillna(0) == 0).all(), "the GPU found by UUID, ours alone"
+    # phases timed by CUDA events: backward is work on the device, not the CPU's ~1 us
+    assert (df.backward_s >= 0.5 * df.forward_s).all(), df[["forward_s", "backward_s"]]
+    want = {"ieee": "highest", "tf32": "high"}
+    assert (df.parity_fp32_matmul == df.fp32_matmul.map(want)).all()
     assert (df.mfu > 0).all() and (df.mfu < 1).all() and df.peak_flops_source.notna().all()
     assert (df.sdpa_backend != "MATH").all(), df[["mixed_precision", "sdpa_backend"]]
     assert (df.allocated_at_start_gib < 0.01).all()  # nothing of an earlier run survived

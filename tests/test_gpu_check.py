@@ -7,12 +7,15 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
+from fsdp_bench.job.timing import time_repeat
 from tests.conftest import REPO
 
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"
@@ -96,3 +99,26 @@ def test_the_gpu_check_runs_on_cpu_and_every_part_passes(tmp_path: Path) -> None
     assert [r["fp32_matmul"] for r in parts["parity"]["runs"]].count("tf32") == 1
     text = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: " in text for name in parts)
+
+
+def test_the_timer_check_holds_for_the_workers_timing_and_fails_one_that_misses_the_work(
+    one_rank_group: None,
+) -> None:
+    """The worker's own timing (`timing.time_repeat`) against per-step synchronise +
+    perf_counter over the same step: equal within the bounds; a timer that saw only the
+    step's launch (events not waiting for its work) is far outside them."""
+    check = gpu_check_module()
+    cpu = torch.device("cpu")
+
+    def step() -> None:
+        time.sleep(0.02)
+
+    def honest(step: Any, steps: int) -> list[float]:
+        return list(time_repeat(step, steps, cpu))
+
+    def launch_only(step: Any, steps: int) -> list[float]:
+        return list(time_repeat(lambda: None, steps, cpu))
+
+    for timer, holds in ((honest, True), (launch_only, False)):
+        found = check.timer_verdict(check.compare_timers(step, timer, lambda: None, 3, 2))
+        assert list(found["expectations"].values()) == [holds], found["ratio_of_medians"]
