@@ -84,6 +84,14 @@ class ModelConfig:
                 raise bad_value("name", self.name, "expected hf:PATH to a config.json")
             if self.options:
                 raise bad_value("options", self.options, "hf: models take hf_options")
+            for key in ("dtype", "torch_dtype"):
+                if key in self.hf_options:
+                    raise bad_value(
+                        f"hf_options.{key}",
+                        self.hf_options[key],
+                        "not allowed: parameters are stored in fp32 and fsdp.mixed_precision "
+                        "decides the compute and communication dtype",
+                    )
         elif not _IMPORT_PATH.match(self.name):
             raise bad_value(
                 "name", self.name, "expected a preset, hf:PATH or package.module:function"

@@ -54,6 +54,12 @@ def read_hf_config(config: ModelConfig) -> Any:
             )
         setattr(hf_config, key, value)
     hf_config.use_cache = False  # training: no key/value cache is kept
+    # Parameters are stored as the grid says, never as the file's dtype: Hub configs say
+    # bfloat16, and transformers builds in it, which trained every hf: run in pure bf16 (no
+    # fp32 master weights, bf16 gradients and optimizer state) whatever mixed_precision said.
+    for key in ("dtype", "torch_dtype"):  # transformers >= 4.56 names it dtype
+        if key in vars(hf_config):
+            setattr(hf_config, key, None)
     return hf_config
 
 

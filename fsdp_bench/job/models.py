@@ -229,16 +229,23 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+@torch.no_grad()
 def initialize(bundle: ModelBundle, module: nn.Module) -> None:
-    """Initialise the materialised `module` (the bundle's, possibly wrapped) as the bundle says."""
+    """Initialise the materialised `module` (the bundle's, possibly wrapped) as the bundle says.
+    Every floating-point parameter is NaN first, so one that no init covers is NaN, always
+    (`check_finite` finds it), not whatever the allocator left there, often finite."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.fill_(float("nan"))
     (bundle.init or default_init)(module)
 
 
 @torch.no_grad()
 def default_init(module: nn.Module) -> None:
     """The model's own `init_weights` where a submodule has one (the outermost; transformers
-    models: their `_init_weights` for every module, then the weight ties), and
-    `reset_parameters` for every module outside those."""
+    models: their `_init_weights` for every module, then the weight ties), and for every module
+    outside those what its constructor ran: `reset_parameters`, or `_reset_parameters` (torch's
+    MultiheadAttention and Transformer), children before parents as constructors finish."""
     owners: list[tuple[nn.Module, Callable[[], None]]] = []
     covered: set[int] = set()
     for sub in module.modules():  # parents before children
@@ -246,8 +253,8 @@ def default_init(module: nn.Module) -> None:
         if id(sub) not in covered and callable(init):
             owners.append((sub, init))
             covered.update(id(m) for m in sub.modules())
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
+    for sub in reversed(list(module.modules())):  # each child before its parent
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if id(sub) not in covered and callable(reset):
             reset()
     for owner, init in owners:

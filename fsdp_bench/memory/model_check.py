@@ -2,8 +2,9 @@
 launches: the model contract checked, and the training FLOPs per token counted for MFU.
 
 A model that cannot be imported, whose function raises or returns something else than a
-`ModelBundle`, whose blocks are not its submodules, or whose output is not logits of shape
-(batch, seq, vocab), stops the grid with one line naming `model.name`, before any job starts.
+`ModelBundle`, whose blocks are not its submodules, whose output is not logits of shape
+(batch, seq, vocab), or whose init leaves a parameter NaN (`check_init`), stops the grid with
+one line naming `model.name`, before any job starts.
 Presets are ours and tested: they are neither built nor counted here (their FLOPs come from
 `ModelShape.flops_per_token`).
 
@@ -187,6 +188,7 @@ def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
             f"model.name: {model.name}: the bundle's blocks must be submodules of its module"
         )
     counted = count_flops_per_token(model.name, bundle, seq_lens)
+    check_init(model)
     if bundle.flops_per_token is not None:
         flops, source = {seq: float(bundle.flops_per_token(seq)) for seq in seq_lens}, OWN_FORMULA
     else:
@@ -197,6 +199,44 @@ def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
         num_params=sum(p.numel() for p in module.parameters()),
         num_blocks=len(bundle.blocks),
     )
+
+
+INIT_CHECK_SHARD_BYTES = 256 * 2**20
+"""The model's init is checked on rank 0's shards of a fake world sized so that its
+parameters take about this much memory: real values, a few seconds, for any model size."""
+
+
+def check_init(model: ModelConfig) -> None:
+    """Initialise the model as a rank would (materialised, then its init or the default one)
+    and refuse it, in one line, when a parameter is left NaN or Inf: `models.initialize`
+    makes every parameter NaN first, so one that no init covers always shows. Presets are
+    initialised by our own code; a user's model otherwise fails every run, a minute each."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_bench.job.models import build_model, check_finite, initialize
+    from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+    from fsdp_bench.memory.fake import fake_world
+
+    bundle = build_model(model)
+    num_bytes = sum(p.numel() * p.element_size() for p in bundle.module.parameters())
+    world_size = max(1, min(1024, -(-num_bytes // INIT_CHECK_SHARD_BYTES)))
+    run = RunConfig(world_size=world_size, model=model)
+    with fake_world(world_size):
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+        cpu = torch.device("cpu")
+        torch.manual_seed(run.data.seed)
+        sharded, _ = wrap_on_meta(bundle, run, mesh, cpu)
+        materialize(sharded, cpu)
+        initialize(bundle, sharded)
+        bad = check_finite(sharded)
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ConfigError(
+            f"model.name: {model.name}: after initialisation {', '.join(bad[:3])}{more} hold "
+            "NaN or Inf: no init covers them (give ModelBundle an init that sets every "
+            "parameter; PyTorch modules get their own reset_parameters)"
+        )
 
 
 def count_flops_per_token(name: str, bundle: Any, seq_lens: list[int]) -> dict[int, float]:
