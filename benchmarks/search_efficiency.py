@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec, expand, load_grid, parse_grid
+from fsdp_bench.config.grid_settings import SamplerName
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import RunConfig, SamplerName
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.launch.base import ALIVE_STATES
 from fsdp_bench.memory.estimate import estimate_runs

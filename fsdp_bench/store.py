@@ -101,6 +101,12 @@ class RunResult:
     estimated_peak_gib: float | None = None
     """The simulated estimate made before the run (tensors only, like tracked_peak_gib)."""
     analytic_peak_gib: float | None = None
+    estimated_allocated_gib: float | None = None
+    estimated_reserved_gib: float | None = None
+    estimated_device_used_gib: float | None = None
+    """On CUDA, made before the run (`memory.device_memory`): beside peak_memory_gib
+    (max_memory_allocated), peak_reserved_gib and device_used_peak_gib. On CPU device-used
+    is the tensors (plus memory.overhead_gib), the others empty."""
     allocated_at_start_gib: float | None = None
     """CUDA memory allocated when the run began (largest rank): above zero, something of an
     earlier run of the job was still alive, and the run's peak includes it."""
@@ -222,8 +228,13 @@ class EstimatedPeaks(NamedTuple):
     """A run's peak memory per rank as estimated before launch (GiB), copied into its record."""
 
     estimated_peak_gib: float | None = None
-    """The simulated estimate (what pruning trusts)."""
+    """The simulated tensors."""
     analytic_peak_gib: float | None = None
+    estimated_allocated_gib: float | None = None
+    estimated_reserved_gib: float | None = None
+    estimated_device_used_gib: float | None = None
+    """On CUDA (`memory.device_memory`): what the caching allocator books, what it reserves,
+    and what the card holds; device-used is what pruning compares with the budget."""
 
 
 class Flops(NamedTuple):

@@ -19,13 +19,8 @@ from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
-from fsdp_bench.memory.estimate import (
-    RunEstimate,
-    estimate_runs,
-    overhead,
-    predicted_oom,
-    target_device,
-)
+from fsdp_bench.memory.device_memory import Calibration, calibration, predicted_oom
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore, RunResult
 
@@ -92,6 +87,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     estimates = _estimate(todo, store, target_device(spec.launcher), options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
+    known = calibration(spec.memory, store)
     bar = progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
     driver = Driver(
         store,
@@ -99,10 +95,10 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
         spec,
         options.verify,
         on_record=_updater(bar),
-        estimates={k: e.peaks for k, e in estimates.items()},
+        estimates={k: e.peaks(known) for k, e in estimates.items()},
     )
     if options.prune:
-        todo = _prune(todo, estimates, spec, store, driver)
+        todo = _prune(todo, estimates, spec, known, driver)
     try:
         driver.run(launcher, watched, pack_runs(todo, spec.launcher))
     finally:
@@ -134,19 +130,18 @@ def _prune(
     runs: list[RunConfig],
     estimates: dict[str, RunEstimate],
     spec: SweepSpec,
-    store: ResultStore,
+    known: Calibration,
     driver: Driver,
 ) -> list[RunConfig]:
-    """Record the runs that cannot fit the memory budget as skipped; return the others."""
+    """Record the runs predicted not to fit the memory budget (device-used memory) as
+    skipped; return the others."""
     if spec.memory.budget_gib is None:
         return runs
-    overheads = overhead(spec.memory, store)
     keep = []
     for run in runs:
-        extra = overheads.at(run.world_size)
-        reason = predicted_oom(estimates[run.run_id], spec.memory, extra)
+        reason = predicted_oom(estimates[run.run_id].predict(known), spec.memory)
         if reason:
-            driver.record_unlaunched(run, "skipped", reason, {"overhead": extra.source})
+            driver.record_unlaunched(run, "skipped", reason, {})
         else:
             keep.append(run)
     return keep

@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 
 from fsdp_bench import load_results
+from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.errors import ConfigError
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow
@@ -191,3 +193,18 @@ def test_an_int_reshard_trains_correctly_run_after_run(tmp_path: Path) -> None:
     _, df = sweep(tmp_path, grid, verify=True)
     assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
     assert (df.all_gathers_per_step == 10).all()  # resharded: backward all-gathers again
+
+
+def test_every_block_but_the_last_reshards(tmp_path: Path) -> None:
+    """torchtitan's policy: the last block group keeps its parameters to backward, which
+    needs it first. 4 blocks at W=2: block grouping's 5 forward all-gathers and 3 in
+    backward (default: 4); blocks:2 has 3 forward and 1 in backward. Parity holds and the
+    estimate is the tracked peak."""
+    axes = {"fsdp.grouping": ["block", "blocks:2"], "fsdp.reshard_after_forward": ["all_but_last"]}
+    _, df = sweep(tmp_path, tiny_grid("all-but-last", axes), verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    counts = dict(zip(df.grouping, df.all_gathers_per_step, strict=True))
+    assert counts == {"block": 8, "blocks:2": 4}
+    assert (df.estimated_peak_gib == df.tracked_peak_gib).all()
+    with pytest.raises(ConfigError, match="all_but_last names the last block: it needs "):
+        RunConfig(fsdp=FsdpConfig(grouping="linear", reshard_after_forward="all_but_last"))

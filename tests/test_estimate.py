@@ -138,7 +138,7 @@ def test_budget_prunes_before_launch(tmp_path: Path) -> None:
     outcome, df = sweep(tmp_path, grid)
     skipped = df[df.status == "skipped"]
     assert len(skipped) == 3 and outcome.statuses == {"skipped": 3, "ok": 1}
-    assert skipped.reason.str.startswith("predicted_oom: estimate").all()
+    assert skipped.reason.str.startswith("predicted_oom: device-used").all()
     assert (skipped.estimated_peak_gib + 0.002 > 0.024).all()
     launched = started_counts(tmp_path / "results")
     assert set(launched) == set(df[df.status == "ok"].run_id), "skipped runs never launched"
@@ -152,16 +152,50 @@ def test_estimate_command(tmp_path: Path) -> None:
                "--results", str(tmp_path / "r")]  # fmt: skip
     table = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
     lines = table.strip().splitlines()
-    header = ["run_id", "grouping", "analytic", "simulated", "overhead", "fits"]
-    assert lines[0].split()[:6] == header
-    assert [line.split()[4:6] for line in lines[1:3]] == [["0.000", "yes"], ["0.000", "yes"]]
-    assert "overhead: none (no measured CUDA runs" in lines[-1] and "budget 1 GiB" in lines[-1]
+    header = ["run_id", "grouping", "analytic", "tensors", "allocated", "reserved", "device-used",
+              "fits"]  # fmt: skip
+    assert lines[0].split()[:8] == header
+    for line in lines[1:3]:  # on CPU no allocator: device-used is the tensors
+        cells = line.split()
+        assert cells[4:6] == ["-", "-"] and cells[6] == cells[3] and cells[7] == "yes"
+    assert (
+        "for cpu (no caching allocator" in lines[-1] and "Budget 1 GiB on device-used" in lines[-1]
+    )
     rows = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout
     )
     assert [r["predicted_oom"] for r in rows] == ["", ""]
     assert all(r["estimated_peak_gib"] > 0 and r["breakdown_gib"] for r in rows)
     assert pd.Series([r["run_id"] for r in rows]).is_unique
+
+
+def test_estimate_for_cuda_on_a_fresh_folder_prints_three_figures_and_judges_device_used(
+    tmp_path: Path,
+) -> None:
+    """No GPU and no CUDA run measured: the default model of each term. Block grouping's
+    tensors fit a budget its device memory does not; both are named."""
+    grid = tiny_grid("cuda", {"fsdp.grouping": ["root", "block"]}, world_size=8,
+                     model={"name": "small"}, data={"seq_len": 512})  # fmt: skip
+    grid["launcher"]["device"] = "cuda"
+    path = write_grid(tmp_path, grid)
+    command = [sys.executable, "-m", "fsdp_bench", "estimate", str(path), "--json",
+               "--results", str(tmp_path / "r")]  # fmt: skip
+    rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    for row in rows:
+        tensors, allocated = row["estimated_peak_gib"], row["estimated_allocated_gib"]
+        reserved, used = row["estimated_reserved_gib"], row["estimated_device_used_gib"]
+        assert tensors < allocated <= reserved < used  # + cuBLAS workspaces, + segments
+        assert used == pytest.approx(reserved + 0.5 + 0.5)  # context, one communicator
+        assert row["sources"] == {"reserved": "allocator model", "outside": "default model"}
+    budget = (rows[1]["estimated_peak_gib"] + rows[1]["estimated_device_used_gib"]) / 2
+    grid["memory"] = {"budget_gib": round(budget, 3)}
+    path = write_grid(tmp_path, grid)
+    rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    assert rows[1]["predicted_oom"].startswith("predicted_oom: device-used ")
+    assert "allocator" in rows[1]["predicted_oom"] and "nccl 0.50" in rows[1]["predicted_oom"]
+    table = subprocess.run([c for c in command if c != "--json"], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    assert "device-used: reserved + CUDA context + NCCL buffers" in table.splitlines()[-1]
 
 
 def test_a_cuda_run_is_simulated_with_the_attention_inputs_cuda_gets(tmp_path: Path) -> None:

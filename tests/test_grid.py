@@ -190,7 +190,7 @@ def test_run_id_is_the_same_in_another_process() -> None:
         (
             grid(base={"fsdp": {"reshard_after_forward": "maybe"}}),
             "base.fsdp.reshard_after_forward: 'maybe' is not allowed; "
-            "expected one of true, false, default or an integer",
+            "expected one of true, false, default, all_but_last or an integer",
         ),
         (
             grid(base={"measure": {"warmup_steps": 0}}),

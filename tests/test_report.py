@@ -188,6 +188,36 @@ def test_compare_matches_configurations_and_divides_b_by_a(
     assert len(table) == 11 and table["run_id_a"].isna().sum() == 1
 
 
+def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: Path) -> None:
+    """Two CUDA runs: each figure's estimate, measurement and error in % of the measurement,
+    and the table for people."""
+    store = ResultStore(tmp_path)
+    figures = [(10.0, 10.2, 12.0, 13.0, 10.0, 10.1, 12.5, 13.5), (20.0, 20.1, 25.0, 26.0,
+               19.0, 20.4, 24.0, 27.0)]  # fmt: skip
+    for index, values in enumerate(figures):
+        run = RunConfig(world_size=8, fsdp=FsdpConfig(grouping=["block", "root"][index]))
+        tensors, allocated, reserved, used, tracked, peak, peak_reserved, peak_used = values
+        store.record(
+            RunResult(
+                run_id=run.run_id, status="ok", config=to_plain(run), tokens_per_s=1.0,
+                step_time_s=1.0, estimated_peak_gib=tensors, estimated_allocated_gib=allocated,
+                estimated_reserved_gib=reserved, estimated_device_used_gib=used,
+                tracked_peak_gib=tracked, peak_memory_gib=peak, peak_reserved_gib=peak_reserved,
+                device_used_peak_gib=peak_used, peak_memory_source="cuda_max_memory_allocated",
+            )
+        )  # fmt: skip
+    accuracy = summaries.estimate_accuracy(load_results(tmp_path))
+    root = accuracy.loc["W=8: root"]
+    assert root["tensors error %"] == pytest.approx(100 * (20.0 - 19.0) / 19.0)
+    assert root["allocated measured"] == 20.4 and root["device-used est"] == 26.0
+    assert root["reserved error %"] == pytest.approx(100 * (25 - 24) / 24)
+    shown = tables.estimate_table(accuracy)
+    assert list(shown.columns)[:4] == ["configuration", "tensors est", "tensors measured",
+                                       "tensors error"]  # fmt: skip
+    assert shown.set_index("configuration").loc["W=8: block", "reserved error"] == "-4.0%"
+    assert summaries.estimate_accuracy(load_results(tmp_path).iloc[0:0]).empty
+
+
 def test_effect_axes_are_the_configuration_less_model_scale_and_faults() -> None:
     assert configs.EFFECT_AXES[0] == "strategy" and "grouping" in configs.EFFECT_AXES
     left_out = {*configs.SCALE_COLUMNS, *MODEL_COLUMNS, *FAULT_COLUMNS}

@@ -24,7 +24,9 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
             "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
             "    model.layers[index] = checkpoint_wrapper(block)",
         ]
-    lines += _grouping_code(str(run.fsdp.grouping), run.model.tie_embeddings)
+    lines += _grouping_code(
+        str(run.fsdp.grouping), run.model.tie_embeddings, run.fsdp.reshard_after_forward
+    )
     lines.append("fully_shard(model, **options)  # the root last")
     lines += _prefetch_code(run)
     lines += [
@@ -70,7 +72,7 @@ def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
         lines.append(f'mesh = init_device_mesh("{device}", ({run.world_size},))')
     options = ["mesh=mesh"]
     reshard = run.fsdp.reshard_after_forward
-    if reshard != "default":
+    if reshard not in ("default", "all_but_last"):  # all_but_last: per block, below
         options.append(f"reshard_after_forward={reshard!r}")
     if run.fsdp.mixed_precision == "bf16":
         lines.append(
@@ -102,16 +104,24 @@ def _optimizer_code(run: RunConfig) -> str:
     return f"optimizer = torch.optim.{name}(model.parameters(), lr={run.train.learning_rate!r})"
 
 
-def _grouping_code(grouping: str, tied: bool | None) -> list[str]:
+def _grouping_code(grouping: str, tied: bool | None, reshard: object) -> list[str]:
     k = grouping_block_count(grouping)
     if grouping == "root":
         return []
+    but_last = reshard == "all_but_last"
     if grouping == "block":
+        if but_last:
+            return [
+                "last = len(model.layers) - 1  # backward needs the last block first: kept",
+                "for index, block in enumerate(model.layers):",
+                "    fully_shard(block, **options, reshard_after_forward=index < last)",
+            ]
         return ["for block in model.layers:", "    fully_shard(block, **options)"]
     if k is not None:
+        keep = ", reshard_after_forward=start + " + f"{k} < len(model.layers)" if but_last else ""
         return [
             f"for start in range(0, len(model.layers), {k}):  # {k} blocks per group",
-            f"    fully_shard(list(model.layers[start : start + {k}]), **options)",
+            f"    fully_shard(list(model.layers[start : start + {k}]), **options{keep})",
         ]
     if grouping == "linear":
         code = [

@@ -306,7 +306,7 @@ def _report(args: argparse.Namespace) -> int:
     from fsdp_bench.report.build import build_report
 
     if args.budget_gib is not None:  # validated as the grid's memory.budget_gib is
-        from fsdp_bench.config.run import MemoryConfig
+        from fsdp_bench.config.grid_settings import MemoryConfig
 
         _replace_checked(MemoryConfig(), {"budget_gib": args.budget_gib})
     outcome = build_report(

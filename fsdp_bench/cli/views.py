@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -15,7 +15,8 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import ConfigError, yaml_scalar
 from fsdp_bench.launch.driver import pack_runs
-from fsdp_bench.memory.estimate import estimate_runs, overhead, predicted_oom, target_device
+from fsdp_bench.memory.device_memory import calibration, predicted_oom
+from fsdp_bench.memory.estimate import estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
@@ -65,24 +66,24 @@ def describe_status(spec: SweepSpec, results: Path | None) -> str:
 
 
 def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> str:
-    """Every run's predicted peak per rank: analytic, simulated, with overhead, fits or not."""
+    """Every run's predicted memory per rank: the tensors (analytic, simulated) and, for CUDA,
+    allocated, reserved and device-used; fits the budget (on device-used) or not."""
     runs = expand(spec).runs
     check_models(runs)
     store = ResultStore(results_dir_for(spec, results))
     device_type = target_device(spec.launcher)
     estimates = estimate_runs(runs, store.root / "estimates", device_type=device_type)
-    overheads = overhead(spec.memory, store)
-    extra = {size: overheads.at(size) for size in sorted({r.world_size for r in runs})}
-    verdicts = {
-        run.run_id: predicted_oom(estimates[run.run_id], spec.memory, extra[run.world_size])
-        for run in runs
-    }
+    known = calibration(spec.memory, store)
+    predictions = {run.run_id: estimates[run.run_id].predict(known) for run in runs}
+    verdicts = {k: predicted_oom(p, spec.memory) for k, p in predictions.items()}
     if as_json:
         return json.dumps(
             [
                 {
                     **asdict(estimates[run.run_id]),
-                    "overhead_gib": extra[run.world_size].gib,
+                    **predictions[run.run_id].peaks,
+                    "terms_gib": predictions[run.run_id].terms_gib,
+                    "sources": predictions[run.run_id].sources,
                     "predicted_oom": verdicts[run.run_id],
                 }
                 for run in runs
@@ -92,10 +93,10 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
     keys = axis_keys(spec)
     rows = []
     for run in runs:
-        e = estimates[run.run_id]
+        e, p = estimates[run.run_id], predictions[run.run_id]
         fits = (
             "?"
-            if spec.memory.budget_gib is None or e.estimated_peak_gib is None
+            if spec.memory.budget_gib is None or p.device_used_gib is None
             else ("no" if verdicts[run.run_id] else "yes")
         )
         top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
@@ -105,21 +106,39 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
                 *(yaml_scalar(get_path(run, k)) for k in keys),
                 _gib(e.analytic_peak_gib),
                 _gib(e.estimated_peak_gib),
-                _gib(extra[run.world_size].gib),
+                _gib(p.allocated_gib),
+                _gib(p.reserved_gib),
+                _gib(p.device_used_gib),
                 fits,
                 ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
             ]
         )
-    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "simulated", "overhead",
-              "fits", "largest parts (GiB)"]  # fmt: skip
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "tensors", "allocated",
+              "reserved", "device-used", "fits", "largest tensors (GiB)"]  # fmt: skip
+    return text_table(header, rows) + "\n" + _estimate_footer(spec, device_type, predictions)
+
+
+def _estimate_footer(spec: SweepSpec, device_type: str, predictions: dict[str, Any]) -> str:
+    """Units, what each figure is for this device, where the terms came from, the budget."""
     budget = spec.memory
-    sources = "; ".join(sorted({o.source for o in extra.values()}))
-    footer = f"GiB per rank. overhead: {sources}; " + (
-        f"budget {budget.budget_gib:g} GiB, margin {budget.margin_gib:g} GiB"
+    if device_type == "cuda":
+        sources = sorted({f"{k}: {v}" for p in predictions.values() for k, v in p.sources.items()})
+        said = (
+            "GiB per rank, for CUDA. tensors: simulated; allocated / reserved: the caching "
+            "allocator's peaks (max_memory_allocated / max_memory_reserved); device-used: "
+            f"reserved + CUDA context + NCCL buffers ({'; '.join(sources)}). "
+        )
+    else:
+        sources = sorted({p.sources.get("outside", "") for p in predictions.values()} - {""})
+        said = (
+            f"GiB per rank, for {device_type} (no caching allocator: device-used is the tensors"
+            f"{' + ' + '; '.join(sources) if sources else ''}). "
+        )
+    return said + (
+        f"Budget {budget.budget_gib:g} GiB on device-used, margin {budget.margin_gib:g} GiB"
         if budget.budget_gib is not None
-        else "no budget (memory.budget_gib)"
+        else "No budget (memory.budget_gib)"
     )
-    return text_table(header, rows) + "\n" + footer
 
 
 def _gib(value: float | None) -> str:

@@ -5,6 +5,7 @@ search space). Every bad value is one line naming its key path, the value and wh
 from __future__ import annotations
 
 from fsdp_bench.config.grid import Expansion, SweepSpec, expand, load_grid, parse_grid
+from fsdp_bench.config.grid_settings import MemoryConfig, SearchConfig
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.presets import PRESETS, ModelShape
@@ -12,10 +13,8 @@ from fsdp_bench.config.run import (
     DataConfig,
     FaultConfig,
     FsdpConfig,
-    MemoryConfig,
     ModelConfig,
     RunConfig,
-    SearchConfig,
     TrainConfig,
 )
 

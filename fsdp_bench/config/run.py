@@ -27,9 +27,6 @@ GROUPING_HELP = (
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 HF_PREFIX = "hf:"
 
-SamplerName = Literal["tpe", "random", "grid", "gp"]
-"""The optuna samplers `search.sampler` allows."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -141,9 +138,11 @@ class FsdpConfig:
     grouping: str | tuple[str, ...] = "block"
     """Which modules get their own fully_shard call (the communication boundary). Given as a
     string or a list of module-name patterns; stored as a string (`modules:a,b` for a list)."""
-    reshard_after_forward: bool | int | Literal["default"] = "default"
+    reshard_after_forward: bool | int | Literal["default", "all_but_last"] = "default"
     """true frees full parameters after forward; false keeps them to backward; an int
-    reshards to groups of that many ranks; default is FSDP2's own (true except the root)."""
+    reshards to groups of that many ranks; default is FSDP2's own (true except the root);
+    all_but_last: every block group true but the last, whose parameters backward needs
+    first (torchtitan's policy until its PR 1094; block and blocks:K groupings)."""
     prefetch: Literal["implicit"] | int = "implicit"
     """implicit (FSDP2's default) or an explicit forward/backward prefetch depth."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
@@ -195,6 +194,11 @@ class TrainConfig:
     activation checkpointing and before fully_shard, as torchtitan does) or model (the whole
     model; FSDP2's hooks run eagerly between the compiled pieces). Warm-up pays the
     compilation; the record keeps it as compile_s."""
+    expandable_segments: bool = False
+    """CUDA's caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True): one segment per stream that maps pages as it grows, instead
+    of one cudaMalloc per segment, so less memory is reserved but unused (fragmentation).
+    The worker switches it for the run; the memory estimate models it. CPU runs ignore it."""
 
     def __post_init__(self) -> None:
         at_least(self, "accumulation_steps", 1)
@@ -251,6 +255,14 @@ class RunConfig:
                 f"{self.world_size}: set fsdp.shard_group_size to a proper divisor, or use nodes",
             )
         reshard = self.fsdp.reshard_after_forward
+        grouping = str(self.fsdp.grouping)
+        if reshard == "all_but_last" and grouping != "block" and not grouping_block_count(grouping):
+            raise CombinationError(
+                "fsdp.reshard_after_forward",
+                reshard,
+                f"all_but_last names the last block: it needs grouping block or blocks:K, not "
+                f"{grouping}",
+            )
         if isinstance(reshard, int) and not isinstance(reshard, bool) and shard % reshard:
             raise CombinationError(
                 "fsdp.reshard_after_forward",
@@ -343,58 +355,6 @@ def canonical_grouping(value: object) -> str:
 def grouping_block_count(grouping: str) -> int | None:
     """K of `blocks:K`, else None."""
     return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryConfig:
-    """A per-rank memory budget: runs predicted not to fit are recorded, not launched."""
-
-    budget_gib: float | None = None
-    """Memory one rank may use (a GPU's capacity, say 80); None: no pruning."""
-    margin_gib: float = 0.0
-    """Kept free below the budget, for what estimates cannot see."""
-    overhead_gib: float | None = None
-    """Added to every estimate for memory outside tensors (CUDA context, NCCL buffers,
-    allocator reserve); None: calibrated from measured CUDA runs in the results folder, else 0."""
-
-    def __post_init__(self) -> None:
-        for key in ("budget_gib", "overhead_gib"):
-            value = getattr(self, key)
-            if value is not None and not value > 0:
-                raise bad_value(key, value, "expected a number > 0 (GiB)")
-        if not self.margin_gib >= 0:
-            raise bad_value("margin_gib", self.margin_gib, "expected a number >= 0 (GiB)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchConfig:
-    """`fsdp-bench search`: optuna samples the grid's axes instead of enumerating them."""
-
-    metric: str = "tokens_per_s"
-    """A numeric results column to optimise (tokens_per_s, mfu, step_time_s, ...)."""
-    direction: Literal["maximize", "minimize"] = "maximize"
-    trials: int = 20
-    """Trials in the study (a rerun with more trials continues it)."""
-    parallel: int = 1
-    """Trials in flight at once on the launcher."""
-    sampler: SamplerName = "tpe"
-    seed: int | None = None
-    multi_objective: bool = False
-    """Optimise the metric and peak memory together; report the Pareto front."""
-    confirm_top_k: int = 3
-    """After the trials, measure the k best feasible configurations again, interleaved, and
-    name the winner with its interval (or a tie): one trial each is a single sample, and the
-    best of many noisy samples is biased towards luck. 0: no confirmation. Only with the
-    metric tokens_per_s and one objective (the interval is of tokens/s)."""
-    confirm_rounds: int = 3
-    """Passes of the confirmation job over its runs (`measure.rounds`): each candidate is
-    timed this many times, alternating with the others of its shape (world size, nodes)."""
-
-    def __post_init__(self) -> None:
-        at_least(self, "trials", 1)
-        at_least(self, "parallel", 1)
-        at_least(self, "confirm_top_k", 0)
-        at_least(self, "confirm_rounds", 2)
 
 
 def _divisors(n: int) -> str:

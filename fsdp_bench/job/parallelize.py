@@ -213,7 +213,8 @@ def _padded_numel(param: torch.Tensor, shard_size: int) -> int:
 def _fully_shard_groups(
     plan: ShardPlan, model: nn.Module, cfg: FsdpConfig, mesh: DeviceMesh, device: torch.device
 ) -> None:
-    reshard = None if cfg.reshard_after_forward == "default" else cfg.reshard_after_forward
+    policy = cfg.reshard_after_forward
+    reshard = policy if isinstance(policy, (bool, int)) else None  # None: FSDP2's default
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.mixed_precision == "bf16"
@@ -224,13 +225,14 @@ def _fully_shard_groups(
     )
     depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
     inner = plan.groups[:-1]
+    last = inner[-1] if inner else None  # in forward order: the first backward computes
     with shared_post_forward_meshes():  # an int reshard: one mesh for all groups, per job
         for group in sorted(inner, key=lambda g: -max(depth[id(m)] for m in g.modules)):
             target = group.modules if len(group.modules) > 1 else group.modules[0]
             fully_shard(
                 target,
                 mesh=mesh,
-                reshard_after_forward=reshard,
+                reshard_after_forward=group is not last if policy == "all_but_last" else reshard,
                 mp_policy=mp,
                 offload_policy=offload,
             )

@@ -21,9 +21,10 @@ to be added to every moment.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +38,9 @@ _PROPAGATE = "_propagate_tensor_meta_non_cached"
 _inside = threading.local()
 
 
-def _propagating() -> bool:
+def propagating() -> bool:
+    """Inside DTensor's shape propagation (`marked_propagation`): fake tensors of the global
+    shape that no device ever holds."""
     return getattr(_inside, "depth", 0) > 0
 
 
@@ -51,6 +54,19 @@ def _marked(propagate: Callable[..., Any]) -> Callable[..., Any]:
             _inside.depth -= 1
 
     return marked
+
+
+@contextlib.contextmanager
+def marked_propagation() -> Iterator[None]:
+    """Within: `propagating()` holds while DTensor propagates shapes (nests)."""
+    unmarked = getattr(ShardingPropagator, _PROPAGATE, None)
+    if unmarked is not None:
+        setattr(ShardingPropagator, _PROPAGATE, _marked(unmarked))
+    try:
+        yield
+    finally:
+        if unmarked is not None:
+            setattr(ShardingPropagator, _PROPAGATE, unmarked)
 
 
 class TensorMemoryTracker(MemTracker):
@@ -70,21 +86,19 @@ class TensorMemoryTracker(MemTracker):
         return sum(size for kind, size in self._held.values() if kind == device_type)
 
     def __enter__(self) -> TensorMemoryTracker:
-        self._unmarked = getattr(ShardingPropagator, _PROPAGATE, None)
-        if self._unmarked is not None:
-            setattr(ShardingPropagator, _PROPAGATE, _marked(self._unmarked))
+        self._marking = marked_propagation()
+        self._marking.__enter__()
         super().__enter__()
         return self
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
-        if self._unmarked is not None:
-            setattr(ShardingPropagator, _PROPAGATE, self._unmarked)
+        self._marking.__exit__(None, None, None)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        if _propagating() and DTensor not in types:
+        if propagating() and DTensor not in types:
             return func(*args, **(kwargs or {}))
         if self._held_apart:  # an operand the tracker never saw was allocated before the step
             for tensor in tree_leaves((args, kwargs)):

@@ -68,6 +68,16 @@ def set_fp32_matmul(run: RunConfig, device: torch.device) -> None:
         torch.set_float32_matmul_precision(precision)
 
 
+def set_allocator(run: RunConfig, device: torch.device) -> None:
+    """CUDA's caching allocator as the run asks (`train.expandable_segments`), switched at run
+    time (torch.cuda.memory._set_allocator_settings, what PYTORCH_CUDA_ALLOC_CONF sets at
+    start): blocks of the other kind left from an earlier run are not reused, and `release`
+    empties the cache between runs anyway."""
+    if device.type == "cuda":
+        value = "True" if run.train.expandable_segments else "False"
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{value}")
+
+
 def fp32_matmul_precision() -> str:
     """What fp32 matmuls run as now: highest (full fp32), high (TF32) or medium (bf16)."""
     try:

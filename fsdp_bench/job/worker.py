@@ -60,6 +60,7 @@ from fsdp_bench.job.training import (
     make_train_step,
     rank_batches,
     release,
+    set_allocator,
     set_fp32_matmul,
 )
 from fsdp_bench.job.watchdog import Watchdog
@@ -282,6 +283,7 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     device, rank = context.device, context.info.rank
     mesh = context.mesh(run.mesh_shape)
     set_fp32_matmul(run, device)  # before the parity check too: it must run as the run does
+    set_allocator(run, device)
     parity = _verify(run, mesh, context) if context.verify and first_pass else None
 
     on_cuda = device.type == "cuda"

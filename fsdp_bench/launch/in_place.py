@@ -22,12 +22,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp_bench.config.grid import SweepSpec, expand
+from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, ResultsError
 from fsdp_bench.job.failures import handle_scheduler_signals
 from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
 from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
 from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
+from fsdp_bench.memory.device_memory import calibration
 from fsdp_bench.memory.estimate import cached_estimates, target_device
 from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
@@ -61,7 +63,7 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
     if info.rank == 0:  # the one that writes the records
         store.root.mkdir(parents=True, exist_ok=True)
         store.save_grid(spec.source)
-        estimates = _cached_estimates(runs, store, target_device(launcher))
+        estimates = _cached_estimates(runs, store, target_device(launcher), spec.memory)
     job = JobSpec(
         runs=tuple(runs),
         results_dir=str(store.root.resolve()),
@@ -148,7 +150,7 @@ def _alive(pid: int) -> bool:
 
 
 def _cached_estimates(
-    runs: list[RunConfig], store: ResultStore, device_type: str
+    runs: list[RunConfig], store: ResultStore, device_type: str, memory: MemoryConfig
 ) -> dict[str, EstimatedPeaks]:
     """Runs are not estimated here, where the allocation's time is for measuring: the records
     take the estimates `fsdp-bench estimate` left in the folder for this device, and rank 0
@@ -159,7 +161,8 @@ def _cached_estimates(
               f"{device_type} in {store.root}; to add the others, run 'fsdp-bench estimate "
               f"GRID --results {store.root}' before launching (on a machine without GPUs, "
               "with launcher.device: cuda in the grid)", flush=True)  # fmt: skip
-    return {run_id: estimate.peaks for run_id, estimate in found.items()}
+    known = calibration(memory, store)
+    return {run_id: estimate.peaks(known) for run_id, estimate in found.items()}
 
 
 def _reconcile(

@@ -1,18 +1,22 @@
 """Peak memory per rank before anything launches: the seeds' analytic model, a simulation of
-the worker's own step on fake tensors and a fake process group at the target world size, and
-the estimates of a grid's runs (cached, computed in a pool, judged against the budget)."""
+the worker's own step on fake tensors and a fake process group at the target world size, its
+allocations replayed through a model of CUDA's caching allocator, and the estimates of a grid's
+runs (cached, computed in a pool) as allocated, reserved and device-used memory judged against
+the budget."""
 
 from __future__ import annotations
 
 from fsdp_bench.memory.analytic import AnalyticEstimate, analytic_estimate
-from fsdp_bench.memory.estimate import Overhead, RunEstimate, estimate_runs, overhead, predicted_oom
+from fsdp_bench.memory.device_memory import Calibration, Prediction, calibration, predicted_oom
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs
 
 __all__ = [
     "AnalyticEstimate",
-    "Overhead",
+    "Calibration",
+    "Prediction",
     "RunEstimate",
     "analytic_estimate",
+    "calibration",
     "estimate_runs",
-    "overhead",
     "predicted_oom",
 ]

@@ -102,7 +102,9 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
     typical = max(groups[:-1], default=largest)
     reshard = run.fsdp.reshard_after_forward
     kept: float
-    if reshard is False or reshard == 1:
+    if reshard == "all_but_last":
+        kept = typical  # the last block group stays unsharded from forward to backward
+    elif reshard is False or reshard == 1:
         kept = shape.num_params  # every group stays unsharded from forward to backward
     elif isinstance(reshard, int) and not isinstance(reshard, bool):
         kept = shape.num_params / reshard  # resharded to groups of `reshard` ranks

@@ -1,7 +1,8 @@
 """Memory estimates for a grid's runs: analytic and simulated side by side, cached by run id,
-computed in parallel, and judged against the memory budget.
+computed in parallel; `device_memory` turns them into the figures the budget is judged on.
 
-The simulated figure is what pruning trusts; the analytic one explains it term by term.
+The simulated figures are what pruning trusts; the analytic one explains the tensors term by
+term.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ from pathlib import Path
 
 from fsdp_bench import __version__
 from fsdp_bench.config.launcher import LauncherConfig
-from fsdp_bench.config.run import MemoryConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
+from fsdp_bench.memory.device_memory import (
+    Calibration,
+    Prediction,
+    outside_terms_gib,
+    peaks,
+    predict,
+)
 from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
-from fsdp_bench.store import GIB, EstimatedPeaks, ResultStore, write_atomic
+from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-4"
+CACHE_VERSION = f"{__version__}/estimator-5"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
-buckets; 4: the model built for the run's device)."""
+buckets; 4: the model built for the run's device; 5: the caching allocator's figures)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -62,11 +70,28 @@ class RunEstimate:
     """A user model's source digest when estimated: an edited model is estimated again."""
     device_type: str = "cpu"
     """The device the run was estimated for (`target_device`)."""
+    estimated_allocated_gib: float | None = None
+    estimated_reserved_gib: float | None = None
+    """On CUDA: the caching allocator's peaks for the simulation's allocations (`allocator`)."""
+    outside_terms_gib: dict[str, float] = field(default_factory=dict)
+    """On CUDA: the default model of memory outside the allocator (`device_memory`)."""
+    world_size: int = 1
     version: str = CACHE_VERSION
 
-    @property
-    def peaks(self) -> EstimatedPeaks:
-        return EstimatedPeaks(self.estimated_peak_gib, self.analytic_peak_gib)
+    def predict(self, known: Calibration) -> Prediction:
+        """The three figures with the folder's calibration (`device_memory`)."""
+        return predict(
+            self.estimated_peak_gib,
+            self.estimated_allocated_gib,
+            self.estimated_reserved_gib,
+            self.outside_terms_gib,
+            self.world_size,
+            known,
+        )
+
+    def peaks(self, known: Calibration) -> EstimatedPeaks:
+        """What the run's record keeps of its estimate."""
+        return peaks(self.predict(known), self.estimated_peak_gib, self.analytic_peak_gib)
 
 
 def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
@@ -77,6 +102,8 @@ def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
     estimate = RunEstimate(
         run_id=run.run_id,
         device_type=device_type,
+        world_size=run.world_size,
+        outside_terms_gib=outside_terms_gib(run, device_type),
         estimated_peak_gib=None,
         analytic_peak_gib=analytic.peak_bytes / GIB if analytic else None,
         analytic_terms_gib={k: v / GIB for k, v in analytic.terms.items()} if analytic else {},
@@ -88,6 +115,9 @@ def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
         estimate.error = "".join(traceback.format_exception_only(type(err), err)).strip()
         return estimate
     estimate.estimated_peak_gib = simulated.peak_bytes / GIB
+    if device_type == "cuda":
+        estimate.estimated_allocated_gib = simulated.allocated_bytes / GIB
+        estimate.estimated_reserved_gib = simulated.reserved_bytes / GIB
     estimate.breakdown_gib = {k: v / GIB for k, v in simulated.breakdown_bytes.items()}
     estimate.method = simulated.method
     estimate.estimated_host_gib = simulated.host_bytes / GIB
@@ -162,85 +192,3 @@ def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:
         return RunEstimate(**data)
     except TypeError:  # written by a version whose fields differ: estimate again
         return None
-
-
-@dataclass(frozen=True)
-class Overhead:
-    gib: float
-    source: str
-
-
-OVERHEAD_QUANTILE = 0.9
-"""A high quantile, not the median: the overhead is a margin against OOM, and half the runs
-above it would be half the runs the budget lets through wrongly."""
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """Memory outside tensors per rank, by world size: as configured, else calibrated on the
-    folder's measured CUDA runs.
-
-    Calibration: device memory in use at the end of the timed steps minus the simulated
-    estimate (the allocator's reserve beyond the predicted tensors, plus the CUDA context,
-    NCCL buffers and workspaces outside it; reserved memory for records that predate
-    `device_used_peak_gib`), per device name and world size (NCCL's buffers grow with the
-    number of peers). For a world size it takes OVERHEAD_QUANTILE of each device's gaps at
-    that world size (every world size when none was measured there) and the largest over
-    devices, since the run may land on any of them."""
-
-    configured_gib: float | None = None
-    gaps_gib: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-
-    def at(self, world_size: int) -> Overhead:
-        if self.configured_gib is not None:
-            return Overhead(self.configured_gib, "configured")
-        here = {k: v for k, v in self.gaps_gib.items() if k[1] == world_size}
-        chosen = here or self.gaps_gib
-        if not chosen:
-            return Overhead(0.0, "none (no measured CUDA runs; set memory.overhead_gib)")
-        by_device: dict[str, list[float]] = {}
-        for (device, _), gaps in chosen.items():
-            by_device.setdefault(device, []).extend(gaps)
-        worst = max(_quantile(gaps, OVERHEAD_QUANTILE) for gaps in by_device.values())
-        count = sum(len(g) for g in chosen.values())
-        where = f"world size {world_size}" if here else "all world sizes"
-        return Overhead(
-            max(0.0, worst),
-            f"calibrated: p{OVERHEAD_QUANTILE * 100:.0f} over {count} CUDA runs "
-            f"({', '.join(sorted(by_device))}; {where})",
-        )
-
-
-def overhead(memory: MemoryConfig, store: ResultStore | None) -> Overheads:
-    """The folder's overheads, read once (see Overheads)."""
-    if memory.overhead_gib is not None:
-        return Overheads(configured_gib=memory.overhead_gib)
-    gaps: dict[tuple[str, int], list[float]] = {}
-    for result in store.results() if store is not None else []:
-        used = result.device_used_peak_gib or result.peak_reserved_gib
-        if result.status == "ok" and used and result.estimated_peak_gib:
-            key = (str(result.provenance.get("device_name", "")), int(result.config["world_size"]))
-            gaps.setdefault(key, []).append(used - result.estimated_peak_gib)
-    return Overheads(gaps_gib=gaps)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), without numpy."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def predicted_oom(estimate: RunEstimate, memory: MemoryConfig, extra: Overhead) -> str:
-    """Why the run cannot fit the budget, or '' when it fits (or cannot be judged)."""
-    if memory.budget_gib is None or estimate.estimated_peak_gib is None:
-        return ""
-    total = estimate.estimated_peak_gib + extra.gib
-    if total + memory.margin_gib <= memory.budget_gib:
-        return ""
-    return (
-        f"predicted_oom: estimate {estimate.estimated_peak_gib:.2f} GiB + overhead {extra.gib:.2f} "
-        f"+ margin {memory.margin_gib:.2f} > budget {memory.budget_gib:.2f} GiB per rank"
-    )

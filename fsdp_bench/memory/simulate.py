@@ -31,6 +31,7 @@ from fsdp_bench.job.measure import MemoryReport, profile_step
 from fsdp_bench.job.models import build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, rank_batches
+from fsdp_bench.memory.alloc_trace import recording
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 
 
@@ -44,6 +45,19 @@ class SimulatedEstimate:
     host_bytes: int = 0
     """With CPU offload: what stays in host memory (shards, gradients, optimizer state),
     not part of `peak_bytes`, which is the accelerator's."""
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    """The caching allocator's peaks (`allocator.py`) for the run's allocations on CUDA:
+    what max_memory_allocated (blocks as booked, cuBLAS's workspaces) and
+    max_memory_reserved (segments) will say."""
+
+
+@dataclass
+class SimulatedStep(MemoryReport):
+    """The tracked step, and its allocations replayed through the caching allocator."""
+
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
 
 
 def simulate(
@@ -62,6 +76,7 @@ def simulate(
             "full",
             time.perf_counter() - start,
             (report.offloaded_shard_bytes, report.offloaded_state_bytes),
+            (report.allocated_bytes, report.reserved_bytes),
         )
     (small, a), (large, b) = points
     target = _num_layers(run) or 0
@@ -92,16 +107,34 @@ def simulate(
         line(a.offloaded_shard_bytes, b.offloaded_shard_bytes),
         line(a.offloaded_state_bytes, b.offloaded_state_bytes),
     )
-    return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded)
+    allocator = (
+        line(a.allocated_bytes, b.allocated_bytes),
+        line(a.reserved_bytes, b.reserved_bytes),
+    )
+    return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded, allocator)
 
 
 def _on_device(
-    peak: int, breakdown: dict[str, int], method: str, wall_s: float, offloaded: tuple[int, int]
+    peak: int,
+    breakdown: dict[str, int],
+    method: str,
+    wall_s: float,
+    offloaded: tuple[int, int],
+    allocator: tuple[int, int],
 ) -> SimulatedEstimate:
+    """The estimate of the accelerator's memory. With CPU offload the simulation's one
+    device held the host's share too: the device's tensors are `device_share`'s, and the
+    allocator's figures are scaled down with them (its reserve over tensors kept as a
+    ratio: the host tensors' own allocations are not split off the trace)."""
+    allocated, reserved = allocator
     if not any(offloaded):
-        return SimulatedEstimate(peak, breakdown, method, wall_s)
-    peak, breakdown, host = device_share(peak, breakdown, *offloaded)
-    return SimulatedEstimate(peak, breakdown, method, wall_s, host)
+        return SimulatedEstimate(peak, breakdown, method, wall_s, 0, allocated, reserved)
+    device_peak, breakdown, host = device_share(peak, breakdown, *offloaded)
+    scale = device_peak / max(peak, 1)
+    return SimulatedEstimate(
+        device_peak, breakdown, method, wall_s, host, round(allocated * scale),
+        round(reserved * scale),
+    )  # fmt: skip
 
 
 # Extrapolation is trusted once two consecutive slopes agree this closely, measured by what
@@ -110,7 +143,7 @@ SETTLED = 0.002
 MAX_SMALL_MODELS = 6
 
 
-def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, MemoryReport], ...] | None:
+def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, SimulatedStep], ...] | None:
     """Two small block counts on the straight part of peak(blocks), simulated; None: simulate
     the whole model (user models, uneven groups, or no straight part found cheaply).
 
@@ -127,7 +160,7 @@ def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, MemoryRe
     counts = [per_group * n for n in range(max(2, depth + 1), target // per_group)]
     if sum(counts[:3]) > target:  # three small models would cost more than the whole one
         return None
-    points: list[tuple[int, MemoryReport]] = []
+    points: list[tuple[int, SimulatedStep]] = []
     spent = 0
     for count in counts[:MAX_SMALL_MODELS]:
         spent += count
@@ -143,7 +176,7 @@ def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, MemoryRe
     return None
 
 
-def simulate_step(run: RunConfig, device_type: str = "cpu") -> MemoryReport:
+def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
     """The optimizer's state made (`_create_optimizer_state`), then the profiled step, all on
     fake tensors.
 
@@ -157,7 +190,7 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> MemoryReport:
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
         model, _ = wrap_on_meta(bundle, run, mesh, device)
-        with fake_tensors():
+        with fake_tensors(), recording() as trace:
             materialize(model, device)
             initialize(bundle, model)
             optimizer = build_optimizer(model, run)
@@ -168,7 +201,12 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> MemoryReport:
             memory = profile_step(model, optimizer, batches, run, break_down=False).memory
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
-    return memory
+    allocator = trace.replay(expandable=run.train.expandable_segments).stats
+    return SimulatedStep(
+        **vars(memory),
+        allocated_bytes=allocator.peak_allocated_bytes,
+        reserved_bytes=allocator.peak_reserved_bytes,
+    )
 
 
 def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:

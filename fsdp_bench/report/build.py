@@ -235,6 +235,12 @@ def _measured_sections(
             in_summary=True,
         ),
         html_report.Section(
+            "Memory: estimated before launch against measured",
+            ESTIMATE_TEXT,
+            [("", report_tables.estimate_table(summaries.estimate_accuracy(df)))],
+            in_summary=True,
+        ),
+        html_report.Section(
             "Effect of each axis",
             "tokens/s and peak memory relative to the axis's most common value, in runs equal "
             "in every other setting (world size included): the median ratio over matched "
@@ -252,6 +258,14 @@ def _measured_sections(
     ]
     return sections, [*drawn, step_figure, scaling_figure]
 
+
+ESTIMATE_TEXT = (
+    "Per rank, GiB, the largest rank. tensors: the simulation against the tracked tensors; on "
+    "CUDA, allocated (max_memory_allocated), reserved (max_memory_reserved: the caching "
+    "allocator's segments) and device-used (what the card held: reserved plus the CUDA "
+    "context and NCCL's buffers), each estimated before launch; the budget is judged on "
+    "device-used. Error in % of the measurement."
+)
 
 STEP_TEXT = (
     "One profiled step per configuration (rank 0, untimed, under torch.profiler): forward, "

@@ -288,3 +288,14 @@ def step_table(phases: pd.DataFrame) -> pd.DataFrame:
         shown_[column] = [_num(pattern)(v) for v in shown_[column]]
     names = {c: f"{c} ms" for c in shown_.columns[1:-1]}
     return shown_.rename(columns={**names, "hidden %": "hidden"})
+
+
+def estimate_table(accuracy: pd.DataFrame) -> pd.DataFrame:
+    """`summaries.estimate_accuracy` for people: GiB to three decimals, errors signed."""
+    if accuracy.empty:
+        return accuracy
+    shown_ = accuracy.drop(columns=["run_id"]).reset_index(names="configuration")
+    for column in shown_.columns[1:]:
+        pattern = "{:+.1f}%" if column.endswith("error %") else "{:.3f}"
+        shown_[column] = [_num(pattern)(v) for v in shown_[column]]
+    return shown_.rename(columns=lambda c: c.replace(" error %", " error"))

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import optuna
 
 from fsdp_bench.config.grid import SweepSpec
-from fsdp_bench.config.run import RunConfig, SearchConfig
+from fsdp_bench.config.grid_settings import SearchConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build
 from fsdp_bench.errors import FsdpBenchError, one_line
 from fsdp_bench.launch import Launcher
 from fsdp_bench.launch.driver import Driver, Ledger
-from fsdp_bench.memory.estimate import overhead
+from fsdp_bench.memory.device_memory import calibration
 from fsdp_bench.search.trials import constraint_value, feasible_run_ids
 from fsdp_bench.stats import Estimate, indistinguishable, pass_noise, pass_values
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
@@ -191,7 +192,7 @@ def confirm(
     for run in todo:
         by_shape.setdefault((run.world_size, run.nodes), []).append(run)
     peaks = {
-        runs[t.run_id].run_id: EstimatedPeaks(t.estimated_peak_gib, t.analytic_peak_gib)
+        runs[t.run_id].run_id: EstimatedPeaks(*(getattr(t, f) for f in EstimatedPeaks._fields))
         for t in trials
     }
     rounds = settings.confirm_rounds
@@ -206,11 +207,11 @@ def confirm(
     finally:
         if bar is not None:
             bar.close()
-    overheads = overhead(spec.memory, store)
+    known = calibration(spec.memory, store)
     outcome = decide(
         trials,
         {trial_id: store.get(run.run_id) for trial_id, run in runs.items()},
-        lambda r: constraint_value(r, spec.memory, overheads) <= 0,
+        lambda r: constraint_value(r, spec.memory, known) <= 0,
         settings.confirm_rounds,
     )
     outcome.error = error

@@ -7,9 +7,10 @@ is told its recorded result; one the estimator predicts over budget is recorded 
 told as infeasible. Only the rest run, up to `parallel` at a time, each told the moment its
 record lands and replaced by a new ask at once.
 
-Feasibility goes through a `memory` constraint on each trial (`Trial.set_constraint`: peak +
-overhead + margin - budget <= 0), so an OOM or an over-budget peak teaches the sampler where
-not to go instead of being a failure it keeps proposing. Errors and timeouts are failed trials.
+Feasibility goes through a `memory` constraint on each trial (`Trial.set_constraint`: device
+memory used, measured or estimated, + margin - budget <= 0), so an OOM or an over-budget peak
+teaches the sampler where not to go instead of being a failure it keeps proposing. Errors and
+timeouts are failed trials.
 
 `search.trials` counts distinct points: a point the sampler proposes again is told its record
 for free, and after a few such repeats in a row the next trial is an unvisited point.
@@ -31,17 +32,13 @@ from typing import Any
 import optuna
 
 from fsdp_bench.config.grid import SweepSpec, model_runs, run_for_point, search_space
-from fsdp_bench.config.run import RunConfig, SearchConfig
+from fsdp_bench.config.grid_settings import SearchConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
-from fsdp_bench.memory.estimate import (
-    RunEstimate,
-    estimate_runs,
-    overhead,
-    predicted_oom,
-    target_device,
-)
+from fsdp_bench.memory.device_memory import calibration, predicted_oom
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.search.confirm import Confirmation, confirm, skip_reason
 from fsdp_bench.search.samplers import make_sampler
@@ -159,7 +156,7 @@ class Searcher:
         if not self.space:
             raise ConfigError(f"{spec.source}: axes: a search needs at least one axis")
         self.space_size = math.prod(len(values) for values in self.space.values())
-        self.overheads = overhead(spec.memory, store)
+        self.known = calibration(spec.memory, store)
         self.device_type = target_device(spec.launcher)
         self.driver: Driver | None = None
         self.pending: dict[str, list[optuna.trial.Trial]] = {}
@@ -226,10 +223,10 @@ class Searcher:
             return None
         self.pending[run.run_id] = [trial]
         estimate = self._estimate(run)
-        extra = self.overheads.at(run.world_size)
-        reason = predicted_oom(estimate, self.spec.memory, extra) if self.options.prune else ""
+        prediction = estimate.predict(self.known)
+        reason = predicted_oom(prediction, self.spec.memory) if self.options.prune else ""
         assert self.driver is not None
-        self.driver.estimates[run.run_id] = estimate.peaks
+        self.driver.estimates[run.run_id] = estimate.peaks(self.known)
         if reason:
             self.counts["pruned"] += 1
             self.driver.record_unlaunched(run, "skipped", reason, {"trial": trial.number})
@@ -252,7 +249,7 @@ class Searcher:
 
     def estimated_peaks(self, runs: list[RunConfig]) -> dict[str, EstimatedPeaks]:
         found = self._estimates(runs)
-        return {k: e.peaks for k, e in found.items()}
+        return {k: e.peaks(self.known) for k, e in found.items()}
 
     def _estimates(self, runs: list[RunConfig]) -> dict[str, RunEstimate]:
         return estimate_runs(runs, self.store.root / "estimates", device_type=self.device_type)
@@ -271,7 +268,7 @@ class Searcher:
         values = [float(value)]
         if self.settings.multi_objective:
             values.append(float(result.peak_memory_gib or result.estimated_peak_gib or math.inf))
-        constraint = constraint_value(result, self.spec.memory, self.overheads)
+        constraint = constraint_value(result, self.spec.memory, self.known)
         if count and constraint > 0 and result.status != "skipped":
             self.counts["infeasible"] += 1  # measured: an OOM, or a peak over the budget
         trial.set_constraint("memory", constraint)

@@ -8,22 +8,28 @@ from typing import Any
 import optuna
 
 from fsdp_bench.config.grid import SweepSpec
-from fsdp_bench.config.run import MemoryConfig
-from fsdp_bench.memory.estimate import Overheads, overhead
+from fsdp_bench.config.grid_settings import MemoryConfig
+from fsdp_bench.memory.device_memory import Calibration, calibration
 from fsdp_bench.store import ResultStore, RunResult
 
 INFEASIBLE_STATUSES = ("oom", "skipped")
 
 
-def constraint_value(result: RunResult, memory: MemoryConfig, overheads: Overheads) -> float:
-    """Peak + overhead + margin - budget, in GiB: > 0 means it did not, or would not, fit."""
+def constraint_value(result: RunResult, memory: MemoryConfig, known: Calibration) -> float:
+    """Device memory used + margin - budget, in GiB: > 0 means it did not, or would not, fit.
+    Measured where the run ran (on CUDA what the card held; on CPU the tensors plus any
+    configured overhead), else the estimate's device-used figure."""
     if memory.budget_gib is None:
         return 1.0 if result.status == "oom" else 0.0
-    peak = result.peak_memory_gib if result.status == "ok" else result.estimated_peak_gib
-    if peak is None:  # an OOM whose size nobody knows: at the budget, just over
+    if result.status == "ok":
+        used = result.device_used_peak_gib
+        if used is None and result.peak_memory_gib is not None:
+            used = result.peak_memory_gib + (known.configured_outside_gib or 0.0)
+    else:
+        used = result.estimated_device_used_gib or result.estimated_peak_gib
+    if used is None:  # an OOM whose size nobody knows: at the budget, just over
         return 1e-3
-    extra = overheads.at(int(result.config["world_size"]))
-    value = peak + extra.gib + memory.margin_gib - memory.budget_gib
+    value = used + memory.margin_gib - memory.budget_gib
     return max(value, 1e-3) if result.status in INFEASIBLE_STATUSES else value
 
 
@@ -55,10 +61,10 @@ def best_feasible(
 ) -> tuple[optuna.trial.FrozenTrial, float] | None:
     """The best trial whose run ran and fits (optuna's best_trial ignores constraints)."""
     maximize = spec.search.direction == "maximize"
-    overheads = overhead(spec.memory, store)
+    known = calibration(spec.memory, store)
     best: tuple[optuna.trial.FrozenTrial, float] | None = None
     for trial, result in _completed(study, store):
-        if result.status != "ok" or constraint_value(result, spec.memory, overheads) > 0:
+        if result.status != "ok" or constraint_value(result, spec.memory, known) > 0:
             continue
         value = trial.values[0]
         if best is None or (value > best[1] if maximize else value < best[1]):
@@ -69,11 +75,11 @@ def best_feasible(
 def feasible_run_ids(study: optuna.Study, store: ResultStore, spec: SweepSpec) -> list[str]:
     """The run ids of the completed trials whose run ran ok and fits: the candidates
     `best_feasible` chooses from, and those that can be tied with it."""
-    overheads = overhead(spec.memory, store)
+    known = calibration(spec.memory, store)
     return [
         result.run_id
         for _, result in _completed(study, store)
-        if result.status == "ok" and constraint_value(result, spec.memory, overheads) <= 0
+        if result.status == "ok" and constraint_value(result, spec.memory, known) <= 0
     ]
 
 
@@ -89,13 +95,11 @@ def pareto_trials(
     study: optuna.Study, store: ResultStore, spec: SweepSpec
 ) -> list[optuna.trial.FrozenTrial]:
     """Feasible trials that no other feasible trial beats on both objectives."""
-    overheads = overhead(spec.memory, store)
+    known = calibration(spec.memory, store)
     feasible = [
         t
         for t, r in _completed(study, store)
-        if r.status == "ok"
-        and constraint_value(r, spec.memory, overheads) <= 0
-        and len(t.values) == 2
+        if r.status == "ok" and constraint_value(r, spec.memory, known) <= 0 and len(t.values) == 2
     ]
     signs = [1 if d == optuna.study.StudyDirection.MAXIMIZE else -1 for d in study.directions]
 
