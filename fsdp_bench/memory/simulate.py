@@ -2,14 +2,17 @@
 tensors and a fake process group, measured by the same memory tracker as a real run.
 
 Same model, same `parallelize`, same optimizer and training step, same `profile_step`: what a
-real run would allocate, tensor by tensor, without memory or a GPU. Not modelled: what lives
-outside tensors (CUDA context, NCCL buffers, allocator fragmentation); that is the overhead
-term of the budget (`MemoryConfig.overhead_gib`).
+real run would allocate, tensor by tensor, without memory or a GPU. For a CUDA run the
+allocations are also recorded in order, with their streams (`alloc_trace`), and replayed
+through the caching allocator model (`allocator`): allocated and reserved memory. What lives
+outside the allocator is `device_memory`'s.
 
-Large models are simulated with a few blocks and extrapolated: every per-rank category is
-affine in the number of identical blocks (shards, gradients, optimizer state and saved
+Large models' tensors are simulated with a few blocks and extrapolated: every per-rank category
+is affine in the number of identical blocks (shards, gradients, optimizer state and saved
 activations grow with it; the root group, the prefetch buffer and the logits do not), so two
-small simulations give the slope and intercept.
+small simulations give the slope and intercept. The allocator's figures are not affine (a new
+segment comes whenever the cached ones stop fitting): they are recorded over the whole model,
+in two steps without the tracker.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport, profile_step
 from fsdp_bench.job.models import build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
-from fsdp_bench.job.training import build_optimizer, rank_batches
+from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.alloc_trace import recording
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 
@@ -107,10 +110,13 @@ def simulate(
         line(a.offloaded_shard_bytes, b.offloaded_shard_bytes),
         line(a.offloaded_state_bytes, b.offloaded_state_bytes),
     )
-    allocator = (
-        line(a.allocated_bytes, b.allocated_bytes),
-        line(a.reserved_bytes, b.reserved_bytes),
-    )
+    # The allocator's figures are not straight lines in the blocks (a segment is added
+    # whenever the cached ones no longer fit, every 10-12 blocks of Llama-2-7B): they come from
+    # the whole model's allocations, recorded in steps without the tracker.
+    allocator = (0, 0)
+    if device_type == "cuda":
+        whole = simulate_step(run, device_type, tracked=False)
+        allocator = (whole.allocated_bytes, whole.reserved_bytes)
     return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded, allocator)
 
 
@@ -176,9 +182,12 @@ def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, Simulate
     return None
 
 
-def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
-    """The optimizer's state made (`_create_optimizer_state`), then the profiled step, all on
-    fake tensors.
+def simulate_step(
+    run: RunConfig, device_type: str = "cpu", *, tracked: bool = True
+) -> SimulatedStep:
+    """A warm-up step, then the profiled step, all on fake tensors, their allocations replayed
+    through the caching allocator model. Not `tracked`: a plain second step, the allocator's
+    figures only (the tracker costs most of a simulation's time).
 
     Sharding happens on the meta device before fake mode (FSDP2 builds small real index
     tensors for its meshes then). DDP is simulated unwrapped (its wrapper talks to the process
@@ -190,17 +199,27 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
         model, _ = wrap_on_meta(bundle, run, mesh, device)
-        with fake_tensors(), recording() as trace:
+        with fake_tensors(), recording(enabled=device_type == "cuda") as trace:
             materialize(model, device)
             initialize(bundle, model)
             optimizer = build_optimizer(model, run)
             batches = rank_batches(run, 0, bundle.vocab_size, device)
-            _create_optimizer_state(model, optimizer)
             if run.strategy == "ddp":
                 _reduce_into_buckets(model, run)
-            memory = profile_step(model, optimizer, batches, run, break_down=False).memory
+            # A warm-up step, as the run's: the optimizer's state, and the allocator's cache as
+            # a first step leaves it (creating the state up front instead, on zero gradients,
+            # gave the same tensors but a reserve 4-6% higher than a real run's order).
+            step = make_train_step(model, optimizer, batches, run)
+            step()
+            if tracked:
+                memory = profile_step(model, optimizer, batches, run, break_down=False).memory
+            else:
+                step()
+                memory = MemoryReport(trace.live_peak_bytes)
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
+    if not trace.events:  # not on CUDA: no caching allocator to model
+        return SimulatedStep(**vars(memory))
     allocator = trace.replay(expandable=run.train.expandable_segments).stats
     return SimulatedStep(
         **vars(memory),
@@ -234,18 +253,6 @@ def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:
                 param.grad = view
 
         param.register_post_accumulate_grad_hook(into_bucket)
-
-
-def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
-    """What the timed runs' warm-up leaves for their profiled step: the optimizer's state
-    (AdamW's moments), here from one step on zero gradients instead of a whole fake forward
-    and backward. The simulated peak came out the same to the byte on every configuration
-    tried (groupings, resharding, AC, bf16, offload, DDP, HSDP, accumulation), a quarter of a
-    simulation's time sooner."""
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _measure_offload(memory: MemoryReport, model: nn.Module, optimizer: Any) -> None:
