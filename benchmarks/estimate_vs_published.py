@@ -26,7 +26,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
 from fsdp_bench.memory.device_memory import Calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_run
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_bench.config.run import DataConfig, MeasureConfig, ModelConfig, RunConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import DataConfig, MeasureConfig, RunConfig
 from fsdp_bench.job.models import Transformer
 from fsdp_bench.job.rendezvous import (
     barrier_and_destroy,

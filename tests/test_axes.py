@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from fsdp_bench import load_results
+from fsdp_bench.config.grid import expand, load_grid
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 from tests.conftest import sweep, tiny_grid
@@ -208,3 +209,43 @@ def test_every_block_but_the_last_reshards(tmp_path: Path) -> None:
     assert (df.estimated_peak_gib == df.tracked_peak_gib).all()
     with pytest.raises(ConfigError, match="all_but_last names the last block: it needs "):
         RunConfig(fsdp=FsdpConfig(grouping="linear", reshard_after_forward="all_but_last"))
+
+
+def test_practitioners_settings_run_verify_and_estimate(tmp_path: Path) -> None:
+    """Each setting torchtitan's configs use, against the plain run (tiny, 4 blocks, W=2):
+    every one trains correctly and its estimate is within 5% of the tracked peak. The
+    collectives are exact: bf16 reduction halves the reduce-scatter bytes; clipping adds one
+    all-reduce per step, of one fp32 norm per parameter tensor (39: 9 in each of 4 blocks,
+    the embedding, the final norm, the head), which DTensor sums over the shards."""
+    settings = {
+        "plain": {"data.seed": 0},
+        "bf16 reduce": {"fsdp.reduce_dtype": "bf16"},
+        "bf16 storage": {"model.dtype": "bf16", "fsdp.mixed_precision": "bf16"},
+        "bf16 compute": {"fsdp.mixed_precision": "bf16"},
+        "block AC": {"fsdp.activation_checkpointing": "block"},
+        "every_2 AC": {"fsdp.activation_checkpointing": "every_2"},
+        "selective_op AC": {"fsdp.activation_checkpointing": "selective_op"},
+        "fused": {"train.optimizer_impl": "fused"},
+        "for_loop": {"train.optimizer_impl": "for_loop"},
+        "clipped": {"train.max_grad_norm": 1.0},
+    }
+    axes = [{key: [value] for key, value in change.items()} for change in settings.values()]
+    _, df = sweep(tmp_path, tiny_grid("practitioners", axes), verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["run_id", "status", "reason"]]
+    error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
+    assert (error < 0.05).all(), df[["run_id", "estimated_peak_gib", "tracked_peak_gib"]]
+    spec = expand(load_grid(tmp_path / "practitioners.yaml")).runs
+    by_id = df.set_index("run_id")
+    row = {name: by_id.loc[run.run_id] for name, run in zip(settings, spec, strict=True)}
+    plain = row["plain"]
+    assert row["bf16 reduce"].reduce_scatter_bytes_per_step == (
+        plain.reduce_scatter_bytes_per_step // 2
+    )
+    clipped = row["clipped"]
+    assert (clipped.all_reduces_per_step, clipped.all_reduce_bytes_per_step) == (1, 39 * 4)
+    assert plain.all_reduces_per_step == 0
+    state = {name: row[name].memory_breakdown_gib["optimizer_state"] for name in row}
+    assert state["bf16 storage"] == pytest.approx(state["bf16 compute"] / 2, rel=0.01)
+    activations = {name: row[name].memory_breakdown_gib.get("activation", 0.0) for name in row}
+    assert activations["block AC"] < activations["every_2 AC"] < activations["plain"]
+    assert activations["selective_op AC"] < activations["plain"]

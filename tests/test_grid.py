@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from fsdp_bench.config.grid import expand, load_grid, parse_grid
-from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import FsdpConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 
 
@@ -241,6 +242,29 @@ def test_run_id_is_the_same_in_another_process() -> None:
         (
             grid(base={"fsdp": {"mixed_precision": "fp16"}}),
             "base.fsdp.mixed_precision: 'fp16' is not allowed; expected one of fp32, bf16",
+        ),
+        (
+            grid(base={"fsdp": {"activation_checkpointing": "every_0"}}),
+            "base.fsdp.activation_checkpointing: 'every_0' is not allowed; expected none, block, "
+            "every_N (N >= 1) or selective_op",
+        ),
+        (
+            grid(base={"fsdp": {"reduce_dtype": "fp16"}}),
+            "base.fsdp.reduce_dtype: 'fp16' is not allowed; expected one of fp32, bf16",
+        ),
+        (
+            grid(base={"model": {"dtype": "bf16"}}),
+            "base.model.dtype: 'bf16' is not allowed; bf16 storage computes in bf16: set "
+            "fsdp.mixed_precision: bf16 as well",
+        ),
+        (
+            grid(base={"train": {"optimizer_impl": "apex"}}),
+            "base.train.optimizer_impl: 'apex' is not allowed; expected one of foreach, fused, "
+            "for_loop",
+        ),
+        (
+            grid(base={"train": {"max_grad_norm": 0}}),
+            "base.train.max_grad_norm: 0.0 is not allowed; expected a number > 0 or null",
         ),
         (
             grid(launcher={"kind": "kubernetes"}),

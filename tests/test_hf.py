@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fsdp_bench.cli.main import main
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.models import build_model, check_finite
 from fsdp_bench.job.parallelize import parallelize

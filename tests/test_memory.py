@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from fsdp_bench.config.grid_settings import MemoryConfig
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.memory.analytic import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
 from fsdp_bench.memory.device_memory import (
@@ -178,3 +179,35 @@ def test_the_simulated_offload_estimate_is_the_devices_share() -> None:
     assert offloaded.host_bytes == pytest.approx(4 * shards, rel=0.01)
     assert "optimizer_state" not in offloaded.breakdown_bytes
     assert offloaded.peak_bytes < resident.peak_bytes - resident.breakdown_bytes["optimizer_state"]
+
+
+def test_a_compiled_run_is_not_pruned_on_the_eager_estimate_until_compiled_runs_are_measured(
+    tmp_path: Path,
+) -> None:
+    """The eager estimate is an upper bound for a compiled run: no pruning on it unless
+    memory.prune_compiled; measured compiled runs correct it (their own ratio) and then it
+    prunes."""
+    run = RunConfig(world_size=8, train=TrainConfig(compile="block"))
+    estimate = RunEstimate(
+        run_id=run.run_id, estimated_peak_gib=70.0, device_type="cuda", compiled=True,
+        estimated_allocated_gib=70.1, estimated_reserved_gib=90.0, world_size=8,
+        outside_terms_gib=outside_terms_gib(run, "cuda"),
+    )  # fmt: skip
+    budget = MemoryConfig(budget_gib=80.0)
+    fresh = estimate.predict(calibration(budget, None))
+    assert fresh.upper_bound and fresh.device_used_gib == pytest.approx(91.0)
+    assert predicted_oom(fresh, budget) == ""
+    assert predicted_oom(fresh, MemoryConfig(budget_gib=80.0, prune_compiled=True)) != ""
+    store = ResultStore(tmp_path)
+    measured = RunConfig(world_size=8, train=TrainConfig(compile="block"), data=DataConfig(seed=1))
+    store.record(
+        RunResult(
+            run_id=measured.run_id, status="ok", config=to_plain(measured),
+            estimated_reserved_gib=90.0, peak_reserved_gib=72.0, device_used_peak_gib=73.0,
+            provenance={"device_name": "NVIDIA H100"},
+        )
+    )  # fmt: skip
+    corrected = estimate.predict(calibration(budget, store))
+    assert not corrected.upper_bound and corrected.reserved_gib == pytest.approx(72.0)
+    assert "calibrated on 1 compiled CUDA runs" in corrected.sources["reserved"]
+    assert predicted_oom(corrected, MemoryConfig(budget_gib=72.5)) != ""

@@ -11,8 +11,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import FsdpConfig, ModelConfig, RunConfig
+from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import parallelize, plan_groups

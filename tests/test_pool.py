@@ -13,7 +13,8 @@ import pytest
 
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import load_grid
-from fsdp_bench.config.run import ModelConfig, RunConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory import pool
 from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.model_check import run_flops, source_digest

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from fsdp_bench.config.measure import MeasureConfig
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.failures import classify, classify_text
 from fsdp_bench.job.flops import peak_flops

@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from fsdp_bench.cli.codegen import fully_shard_code
 from fsdp_bench.cli.views import describe_search
 from fsdp_bench.config.grid import load_grid, run_for_point, search_space
-from fsdp_bench.config.run import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig, checkpointed_every
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.training import loss_fn, rank_batches
@@ -201,8 +203,33 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             strategy="ddp",
             train=TrainConfig(accumulation_steps=2, grad_sync="last", optimizer="sgd"),
         ),
+        RunConfig(
+            model=ModelConfig(name="tiny", dtype="bf16"),
+            fsdp=FsdpConfig(
+                mixed_precision="bf16",
+                reduce_dtype="bf16",
+                activation_checkpointing="selective_op",
+                reshard_after_forward="all_but_last",
+            ),
+            train=TrainConfig(optimizer_impl="fused", max_grad_norm=1.0),
+        ),
+        RunConfig(
+            fsdp=FsdpConfig(
+                activation_checkpointing="every_2",
+                grouping="blocks:2",
+                reshard_after_forward="all_but_last",
+            ),
+            train=TrainConfig(optimizer_impl="for_loop", max_grad_norm=0.5, accumulation_steps=2),
+        ),
     ],
-    ids=["block-bf16-prefetch", "blocks2-ac", "linear-tied-accumulation", "ddp"],
+    ids=[
+        "block-bf16-prefetch",
+        "blocks2-ac",
+        "linear-tied-accumulation",
+        "ddp",
+        "torchtitan-like",
+        "every-2-clipped",
+    ],
 )
 def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
     """The Python printed for the best configuration, executed on a real (one-rank) group."""
@@ -229,7 +256,15 @@ def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
     assert "fully_shard" in code or run.strategy == "ddp"
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[run.train.optimizer]
     assert isinstance(namespace["optimizer"], optimizer)
-    assert namespace["optimizer"].param_groups[0]["lr"] == run.train.learning_rate
+    group = namespace["optimizer"].param_groups[0]
+    assert group["lr"] == run.train.learning_rate
+    assert bool(group["fused"]) == (run.train.optimizer_impl == "fused")
+    stored = {p.dtype for p in trained.parameters()}
+    assert stored == {torch.bfloat16 if run.model.dtype == "bf16" else torch.float32}
+    wrapped = [m for m in trained.modules() if isinstance(m, CheckpointWrapper)]
+    every = checkpointed_every(run.fsdp.activation_checkpointing)
+    want = 0 if run.fsdp.activation_checkpointing == "none" else 4 // (every or 1)
+    assert len(wrapped) == want
 
 
 def test_search_settings_are_validated(tmp_path: Path) -> None:

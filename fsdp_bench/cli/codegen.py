@@ -6,7 +6,7 @@ amounts to, for a model whose transformer blocks are `model.layers` (adjust the 
 
 from __future__ import annotations
 
-from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
 
 
 def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
@@ -19,11 +19,9 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
         return "\n".join(lines) + "\n"
     lines += _fsdp_imports(run)
     lines += _mesh_and_options(run, device)
-    if run.fsdp.activation_checkpointing == "block":
-        lines += [
-            "for index, block in enumerate(model.layers):  # checkpoint each block, then shard",
-            "    model.layers[index] = checkpoint_wrapper(block)",
-        ]
+    if run.model.dtype == "bf16":
+        lines.append("model.to(torch.bfloat16)  # bf16 storage: no fp32 master weights")
+    lines += _checkpointing_code(run.fsdp.activation_checkpointing)
     lines += _grouping_code(
         str(run.fsdp.grouping), run.model.tie_embeddings, run.fsdp.reshard_after_forward
     )
@@ -43,17 +41,54 @@ def _fsdp_imports(run: RunConfig) -> list[str]:
         name
         for name, used in (
             ("CPUOffloadPolicy", run.fsdp.cpu_offload),
-            ("MixedPrecisionPolicy", run.fsdp.mixed_precision == "bf16"),
+            ("MixedPrecisionPolicy", "bf16" in (run.fsdp.mixed_precision, run.fsdp.reduce_dtype)),
         )
         if used
     ]
     lines = []
-    if run.fsdp.activation_checkpointing == "block":
+    if run.fsdp.activation_checkpointing != "none":
         lines.append(
             "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
             "checkpoint_wrapper"
         )
     return [*lines, f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}"]
+
+
+def _checkpointing_code(mode: str) -> list[str]:
+    """Checkpoint wrappers on the blocks, before sharding (`job/checkpointing.py`)."""
+    every = checkpointed_every(mode)
+    if mode == "none":
+        return []
+    if every is not None:
+        which = "each block" if every == 1 else f"every {every}th block (0, {every}, ...)"
+        keep = "" if every == 1 else f"\n    if index % {every} == 0:"
+        indent = "    " if every == 1 else "        "
+        return [
+            f"for index, block in enumerate(model.layers):  # checkpoint {which}, then shard"
+            + keep,
+            f"{indent}model.layers[index] = checkpoint_wrapper(block)",
+        ]
+    return [
+        "import functools",
+        "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+        "",
+        "def keep_some(counts, ctx, op, *args, **kwargs):",
+        "    # selective per op: keep attention and every other matmul, recompute the rest",
+        "    if op is torch.ops.aten.mm.default:",
+        '        phase = "recompute" if ctx.is_recompute else "forward"',
+        "        counts[phase] += 1",
+        "        keep = counts[phase] % 2 == 1",
+        "    else:",
+        '        keep = "scaled_dot_product" in str(op)',
+        "    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE",
+        "",
+        "def contexts():",
+        '    policy = functools.partial(keep_some, {"forward": 0, "recompute": 0})',
+        "    return create_selective_checkpoint_contexts(policy)",
+        "",
+        "for index, block in enumerate(model.layers):",
+        "    model.layers[index] = checkpoint_wrapper(block, context_fn=contexts)",
+    ]
 
 
 def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
@@ -74,10 +109,11 @@ def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
     reshard = run.fsdp.reshard_after_forward
     if reshard not in ("default", "all_but_last"):  # all_but_last: per block, below
         options.append(f"reshard_after_forward={reshard!r}")
-    if run.fsdp.mixed_precision == "bf16":
+    reduce = "torch.bfloat16" if run.fsdp.reduce_dtype == "bf16" else "torch.float32"
+    if run.fsdp.mixed_precision == "bf16" or run.fsdp.reduce_dtype == "bf16":
+        param = "torch.bfloat16" if run.fsdp.mixed_precision == "bf16" else "None"
         lines.append(
-            "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)"
+            f"mp_policy = MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={reduce})"
         )
         options.append("mp_policy=mp_policy")
     if run.fsdp.cpu_offload:
@@ -99,9 +135,13 @@ def _prefetch_code(run: RunConfig) -> list[str]:
 
 
 def _optimizer_code(run: RunConfig) -> str:
-    """The run's optimizer and learning rate, as the worker builds them."""
+    """The run's optimizer, learning rate and implementation, as the worker builds them."""
     name = {"adamw": "AdamW", "sgd": "SGD"}[run.train.optimizer]
-    return f"optimizer = torch.optim.{name}(model.parameters(), lr={run.train.learning_rate!r})"
+    impl = run.train.optimizer_impl
+    how = {"foreach": "foreach=True", "fused": "fused=True", "for_loop": "foreach=False"}[impl]
+    return (
+        f"optimizer = torch.optim.{name}(model.parameters(), lr={run.train.learning_rate!r}, {how})"
+    )
 
 
 def _grouping_code(grouping: str, tied: bool | None, reshard: object) -> list[str]:
@@ -162,21 +202,27 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
 
 def _step_code(run: RunConfig, sync_setter: str | None) -> list[str]:
     k = run.train.accumulation_steps
+    update = [*_clip_code(run.train.max_grad_norm), "optimizer.step()", "optimizer.zero_grad()"]
     if k == 1:
-        return [
-            "loss_fn(model(inputs), targets).backward()",
-            "optimizer.step()",
-            "optimizer.zero_grad()",
-        ]
+        return ["loss_fn(model(inputs), targets).backward()", *update]
     lines = [f"for index, (inputs, targets) in enumerate(micro_batches):  # {k} per step"]
     if run.train.grad_sync == "last":
         if sync_setter:
             lines.append(f"    {sync_setter}(index == {k - 1})  # reduce-scatter once")
         else:
             lines.append(f"    model.require_backward_grad_sync = index == {k - 1}")
-    lines += [
-        f"    (loss_fn(model(inputs), targets) / {k}).backward()",
-        "optimizer.step()",
-        "optimizer.zero_grad()",
+    lines.append(f"    (loss_fn(model(inputs), targets) / {k}).backward()")
+    return lines + update
+
+
+def _clip_code(max_norm: float | None) -> list[str]:
+    """Gradient clipping over sharded gradients: the shards' norms made whole (one
+    all-reduce), then every rank scales by the same factor (`training.clip_gradients`)."""
+    if max_norm is None:
+        return []
+    return [
+        "grads = [p.grad for p in model.parameters() if p.grad is not None]",
+        "norm = torch.nn.utils.get_total_norm(grads)",
+        'norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm',
+        f"torch.nn.utils.clip_grads_with_norm_(model.parameters(), {max_norm!r}, norm)",
     ]
-    return lines

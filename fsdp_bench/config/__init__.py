@@ -8,15 +8,9 @@ from fsdp_bench.config.grid import Expansion, SweepSpec, expand, load_grid, pars
 from fsdp_bench.config.grid_settings import MemoryConfig, SearchConfig
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.measure import MeasureConfig
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS, ModelShape
-from fsdp_bench.config.run import (
-    DataConfig,
-    FaultConfig,
-    FsdpConfig,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-)
+from fsdp_bench.config.run import DataConfig, FaultConfig, FsdpConfig, RunConfig, TrainConfig
 
 __all__ = [
     "PRESETS",

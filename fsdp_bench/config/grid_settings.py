@@ -25,6 +25,12 @@ class MemoryConfig:
     added to the estimated reserved memory to give device-used; None: calibrated from the
     measured CUDA runs in the results folder, else the default model (`memory.device_memory`).
     On CPU, added to the tensors."""
+    prune_compiled: bool = False
+    """Prune compiled runs (train.compile) on the eager estimate. It is an upper bound
+    (inductor fuses and frees intermediates: a published compiled run reserved ~90 GiB where
+    the eager figure was ~115), so by default compiled runs are launched and measured, and
+    once the folder has measured compiled CUDA runs their ratio corrects the estimate and
+    compiled runs are pruned on it."""
 
     def __post_init__(self) -> None:
         for key in ("budget_gib", "overhead_gib"):

@@ -12,11 +12,10 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fsdp_bench.config.measure import MeasureConfig
-from fsdp_bench.config.presets import PRESETS, SHAPE_OVERRIDES, ModelShape, resolve_shape
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.schema import at_least, bad_value, non_default_fields
 from fsdp_bench.errors import CombinationError
 
@@ -24,100 +23,6 @@ GROUPING_HELP = (
     "expected root, block, blocks:K (K >= 1 consecutive blocks per group), linear, "
     "or a list of module-name patterns (e.g. ['layers.*.attention', 'layers.*.feed_forward'])"
 )
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-HF_PREFIX = "hf:"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    name: str = "tiny"
-    """A preset (tiny, small, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama2-7b),
-    `hf:PATH` to a transformers config.json (or a folder holding one), or
-    `package.module:function` returning an `fsdp_bench.ModelBundle`."""
-    tie_embeddings: bool | None = None
-    """Share the embedding and LM-head weight; None keeps the preset's choice."""
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    vocab_size: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for a user model's function."""
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
-    """hf: models: config fields to change (e.g. num_hidden_layers: 4 for a quick sweep)."""
-    hf_options: dict[str, Any] = field(default_factory=dict)
-    """hf: models: keyword arguments for `from_config` (e.g. attn_implementation: sdpa)."""
-
-    def __post_init__(self) -> None:
-        if not self.is_hf_model:
-            for key in ("hf_overrides", "hf_options"):
-                if getattr(self, key):
-                    raise bad_value(key, getattr(self, key), "for hf: models only")
-        if self.is_user_model:
-            self._check_user_model()
-            return
-        if self.name not in PRESETS:
-            raise bad_value(
-                "name",
-                self.name,
-                f"expected one of {', '.join(PRESETS)}, hf:PATH or package.module:function",
-            )
-        if self.options:
-            raise bad_value("options", self.options, "options are for user models only")
-        for key in SHAPE_OVERRIDES:
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise bad_value(key, value, "expected an integer >= 1")
-        shape = self.shape
-        if shape.dim % shape.n_heads:
-            raise bad_value("n_heads", shape.n_heads, f"must divide dim {shape.dim}")
-        if shape.n_heads % shape.n_kv_heads:
-            raise bad_value("n_kv_heads", shape.n_kv_heads, f"must divide n_heads {shape.n_heads}")
-
-    def _check_user_model(self) -> None:
-        if self.is_hf_model:
-            if not self.name[len(HF_PREFIX) :].strip():
-                raise bad_value("name", self.name, "expected hf:PATH to a config.json")
-            if self.options:
-                raise bad_value("options", self.options, "hf: models take hf_options")
-            for key in ("dtype", "torch_dtype"):
-                if key in self.hf_options:
-                    raise bad_value(
-                        f"hf_options.{key}",
-                        self.hf_options[key],
-                        "not allowed: parameters are stored in fp32 and fsdp.mixed_precision "
-                        "decides the compute and communication dtype",
-                    )
-        elif not _IMPORT_PATH.match(self.name):
-            raise bad_value(
-                "name", self.name, "expected a preset, hf:PATH or package.module:function"
-            )
-        for key in (*SHAPE_OVERRIDES, "tie_embeddings"):
-            if getattr(self, key) is not None:
-                hint = " (hf: models: hf_overrides)" if self.is_hf_model else ""
-                raise bad_value(key, getattr(self, key), f"for presets only{hint}")
-
-    @property
-    def is_user_model(self) -> bool:
-        """Not a preset: an import path or a transformers config."""
-        return ":" in self.name
-
-    @property
-    def is_hf_model(self) -> bool:
-        return self.name.startswith(HF_PREFIX)
-
-    @property
-    def hf_config_file(self) -> Path:
-        """The config.json a `hf:` name points at (the path itself, or config.json inside it)."""
-        path = Path(self.name[len(HF_PREFIX) :]).expanduser()
-        return path / "config.json" if path.is_dir() else path
-
-    @property
-    def shape(self) -> ModelShape:
-        """The preset with overrides applied (presets only)."""
-        overrides = {k: getattr(self, k) for k in SHAPE_OVERRIDES}
-        return resolve_shape(self.name, tie_embeddings=self.tie_embeddings, **overrides)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,9 +51,18 @@ class FsdpConfig:
     prefetch: Literal["implicit"] | int = "implicit"
     """implicit (FSDP2's default) or an explicit forward/backward prefetch depth."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16: parameters and all-gathers in bf16, gradients reduced in fp32."""
+    """bf16: parameters cast to bf16 for compute and all-gathers (MixedPrecisionPolicy's
+    param_dtype; torchtitan's mixed_precision_param)."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients are reduce-scattered in (MixedPrecisionPolicy's reduce_dtype;
+    torchtitan's mixed_precision_reduce): bf16 halves the reduce-scatter bytes and rounds the
+    gradients before their sum."""
     cpu_offload: bool = False
-    activation_checkpointing: Literal["none", "block"] = "none"
+    activation_checkpointing: str = "none"
+    """none; block (every block, torchtitan's full); every_N (the blocks whose index is a
+    multiple of N, torchtitan's selective per layer, e.g. every_2); selective_op (inside
+    every block, the outputs of matmuls but every second one, attention and reduce-scatters
+    are saved and the rest recomputed: torchtitan's selective per op)."""
     shard_group_size: int | None = None
     """hsdp: ranks that shard one replica; None: the processes of one node."""
 
@@ -163,12 +77,30 @@ class FsdpConfig:
             )
         if isinstance(self.prefetch, int) and self.prefetch < 1:
             raise bad_value("prefetch", self.prefetch, "expected implicit or a depth >= 1")
+        if checkpointed_every(self.activation_checkpointing) is None and (
+            self.activation_checkpointing not in ("none", "selective_op")
+        ):
+            raise bad_value(
+                "activation_checkpointing",
+                self.activation_checkpointing,
+                "expected none, block, every_N (N >= 1) or selective_op",
+            )
+
+
+def checkpointed_every(mode: str) -> int | None:
+    """Every how many blocks one is checkpointed whole: block is 1, every_N is N; None for
+    none, selective_op or an unknown mode."""
+    if mode == "block":
+        return 1
+    match = re.fullmatch(r"every_([1-9]\d*)", mode)
+    return int(match.group(1)) if match else None
 
 
 FSDP_ONLY_FIELDS = (
     "grouping",
     "reshard_after_forward",
     "prefetch",
+    "reduce_dtype",
     "cpu_offload",
     "shard_group_size",
 )
@@ -184,6 +116,13 @@ class TrainConfig:
     """every: reduce-scatter after each micro-batch; last: only after the final one
     (set_requires_gradient_sync(False) before the others: less communication, more memory)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer_impl: Literal["foreach", "fused", "for_loop"] = "foreach"
+    """How the optimizer's update runs: foreach (a few kernels over all tensors, with
+    temporary copies of a group's states), fused (one kernel, no temporaries: what torchtitan
+    and most GPU users pick) or for_loop (a tensor at a time)."""
+    max_grad_norm: float | None = None
+    """Clip the gradients' total norm to this (clip_grad_norm_ over the sharded gradients:
+    an all-reduce of the norm every step; torchtitan's default is 1.0); None: no clipping."""
     learning_rate: float = 1e-4
     fp32_matmul: Literal["ieee", "tf32"] = "ieee"
     """How fp32 matmuls run on CUDA: ieee (full fp32, PyTorch's own default since 1.12, and
@@ -204,6 +143,8 @@ class TrainConfig:
         at_least(self, "accumulation_steps", 1)
         if not self.learning_rate > 0:
             raise bad_value("learning_rate", self.learning_rate, "expected a number > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise bad_value("max_grad_norm", self.max_grad_norm, "expected a number > 0 or null")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,6 +194,12 @@ class RunConfig:
                 self.strategy,
                 f"hsdp needs at least two replicas of {shard} ranks in world_size "
                 f"{self.world_size}: set fsdp.shard_group_size to a proper divisor, or use nodes",
+            )
+        if self.model.dtype == "bf16" and self.fsdp.mixed_precision != "bf16":
+            raise CombinationError(
+                "model.dtype",
+                "bf16",
+                "bf16 storage computes in bf16: set fsdp.mixed_precision: bf16 as well",
             )
         reshard = self.fsdp.reshard_after_forward
         grouping = str(self.fsdp.grouping)

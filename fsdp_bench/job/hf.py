@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fsdp_bench.config.run import ModelConfig
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.errors import ConfigError, one_line
 
 

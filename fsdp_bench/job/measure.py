@@ -27,10 +27,6 @@ from fsdp_bench.job.memory_timeline import (
 from fsdp_bench.job.step_trace import StepBreakdown, trace_step
 from fsdp_bench.job.training import Batch, make_train_step
 
-_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE = (
-    {op for op, k in COLLECTIVE_KINDS.items() if k == kind}
-    for kind in ("all_gather", "reduce_scatter", "all_reduce")
-)
 _MATMULS = {"mm", "addmm", "bmm"}
 
 
@@ -52,13 +48,55 @@ class CollectiveCounts:
     """Each all-gather's output bytes, in issue order (one per group unshard)."""
 
 
+FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+}
+"""torch.distributed._functional_collectives by what they do (names differ by release)."""
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """Counts c10d collectives as they pass through the dispatcher (exact and repeatable)."""
+    """Counts the collectives a step issues (exact and repeatable): c10d's as they pass
+    through the dispatcher (FSDP2's all-gathers and reduce-scatters, DDP's all-reduces), and
+    the functional ones as they are called. DTensor issues those from inside its own
+    operators (the all-reduce that makes gradient clipping's partial norm whole), where no
+    dispatch mode sees them, so their Python functions are watched while counting."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts = CollectiveCounts()
         self._computing = False
+        self._watched: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        import torch.distributed._functional_collectives as funcol
+
+        for name, kind in FUNCTIONAL_COLLECTIVES.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                self._watched[name] = original
+                setattr(funcol, name, self._watch(original, kind))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        super().__exit__(*args)
+        for name, original in self._watched.items():
+            setattr(funcol, name, original)
+        self._watched.clear()
+
+    def _watch(self, collective: Any, kind: str) -> Any:
+        def watched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = collective(tensor, *args, **kwargs)
+            self._count(kind, _nbytes(out if kind == "all_gather" else tensor))
+            return out
+
+        return watched
 
     def __torch_dispatch__(
         self,
@@ -68,24 +106,28 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func.namespace == "c10d":
-            self._record(func._opname, args)
+            kind = COLLECTIVE_KINDS.get(func._opname)
+            # (output, input, ...): the full buffer is the output of an all-gather, the input
+            # of a reduce-scatter, the tensor of an all-reduce
+            size = _nbytes(args[1] if kind == "reduce_scatter" else args[0])
+            self._count(kind, size)
         elif not self._computing and func._opname in _MATMULS:
             self._computing = True
             self.counts.all_gathers_before_compute = self.counts.all_gathers
         return func(*args, **(kwargs or {}))
 
-    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+    def _count(self, kind: str | None, num_bytes: int) -> None:
         c = self.counts
-        if name in _ALL_GATHER:
+        if kind == "all_gather":
             c.all_gathers += 1
-            c.all_gather_bytes += _nbytes(args[0])
-            c.all_gather_sizes_bytes.append(_nbytes(args[0]))
-        elif name in _REDUCE_SCATTER:
+            c.all_gather_bytes += num_bytes
+            c.all_gather_sizes_bytes.append(num_bytes)
+        elif kind == "reduce_scatter":
             c.reduce_scatters += 1
-            c.reduce_scatter_bytes += _nbytes(args[1])
-        elif name in _ALL_REDUCE:
+            c.reduce_scatter_bytes += num_bytes
+        elif kind == "all_reduce":
             c.all_reduces += 1
-            c.all_reduce_bytes += _nbytes(args[0])
+            c.all_reduce_bytes += num_bytes
         else:
             c.other += 1
 

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import ModelShape
-from fsdp_bench.config.run import ModelConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
 
 
@@ -188,23 +189,43 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def build_model(config: ModelConfig, device_type: str = "cpu") -> ModelBundle:
     """Build the model with its parameters on the meta device (no memory is allocated), for
-    a run on `device_type` (a preset's attention chooses its kernel inputs by it)."""
+    a run on `device_type` (a preset's attention chooses its kernel inputs by it), its
+    parameters in `model.dtype`."""
     with parameters_on_meta():
         if config.is_hf_model:
             from fsdp_bench.job.hf import build_hf_model  # transformers: only when asked for
 
             module, blocks, vocab_size = build_hf_model(config)
-            return ModelBundle(module=module, blocks=blocks, vocab_size=vocab_size)
-        if config.is_user_model:
-            return _call_user_model(config)
-        shape = config.shape
-        model = Transformer(shape, device_type)
-        return ModelBundle(
-            module=model,
-            blocks=list(model.layers),
-            vocab_size=shape.vocab_size,
-            flops_per_token=shape.flops_per_token,
-        )
+            bundle = ModelBundle(module=module, blocks=blocks, vocab_size=vocab_size)
+        elif config.is_user_model:
+            bundle = _call_user_model(config)
+        else:
+            shape = config.shape
+            model = Transformer(shape, device_type)
+            bundle = ModelBundle(
+                module=model,
+                blocks=list(model.layers),
+                vocab_size=shape.vocab_size,
+                flops_per_token=shape.flops_per_token,
+            )
+    if config.dtype == "bf16":
+        store_parameters_in(bundle.module, torch.bfloat16)
+    return bundle
+
+
+def store_parameters_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters in `dtype`, ties kept; buffers as they are (rotary tables
+    stay fp32, as transformers keeps them in a bf16 model)."""
+    converted: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in converted:
+                converted[id(param)] = nn.Parameter(
+                    param.detach().to(dtype), requires_grad=param.requires_grad
+                )
+            owner._parameters[name] = converted[id(param)]
 
 
 @contextlib.contextmanager

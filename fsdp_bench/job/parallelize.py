@@ -7,13 +7,11 @@ parameters are materialised shard by shard (seed 000, sections 04-11).
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -26,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
 from fsdp_bench.errors import ConfigError
+from fsdp_bench.job.checkpointing import apply_checkpointing
 from fsdp_bench.job.models import ModelBundle, initialize
 from fsdp_bench.job.post_forward_mesh import shared_post_forward_meshes
 
@@ -84,8 +83,7 @@ def wrap_on_meta(
 ) -> tuple[nn.Module, ShardPlan]:
     """Activation checkpointing, torch.compile (`compile_modules`; the memory simulation
     runs eager) and fully_shard, still on the meta device (no memory yet)."""
-    if run.fsdp.activation_checkpointing == "block":
-        bundle = _checkpoint_blocks(bundle)
+    bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module
     if compile_modules:
         _compile(bundle, run.train.compile)
@@ -210,16 +208,23 @@ def _padded_numel(param: torch.Tensor, shard_size: int) -> int:
     return rows * (param.numel() // max(param.shape[0], 1))
 
 
+def mixed_precision_policy(cfg: FsdpConfig) -> MixedPrecisionPolicy:
+    """Compute and all-gathers in bf16 (`mixed_precision`; a no-op for parameters stored in
+    bf16), gradients reduced in `reduce_dtype`: FSDP2 casts them to it for the
+    reduce-scatter and back to the parameters' dtype after."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return MixedPrecisionPolicy(
+        param_dtype=bf16 if cfg.mixed_precision == "bf16" else None,
+        reduce_dtype=bf16 if cfg.reduce_dtype == "bf16" else fp32,
+    )
+
+
 def _fully_shard_groups(
     plan: ShardPlan, model: nn.Module, cfg: FsdpConfig, mesh: DeviceMesh, device: torch.device
 ) -> None:
     policy = cfg.reshard_after_forward
     reshard = policy if isinstance(policy, (bool, int)) else None  # None: FSDP2's default
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg.mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    mp = mixed_precision_policy(cfg)
     offload = (
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     )
@@ -272,22 +277,6 @@ def _compile(bundle: ModelBundle, scope: str) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for module in modules:
         module.compile()
-
-
-def _checkpoint_blocks(bundle: ModelBundle) -> ModelBundle:
-    """Wrap every block in a non-reentrant activation-checkpoint wrapper, in place."""
-    parents = {
-        id(child): (parent, name)
-        for parent in bundle.module.modules()
-        for name, child in parent.named_children()
-    }
-    wrapped = []
-    for block in bundle.blocks:
-        parent, name = parents[id(block)]
-        wrapper = checkpoint_wrapper(block)
-        setattr(parent, name, wrapper)
-        wrapped.append(wrapper)
-    return dataclasses.replace(bundle, blocks=wrapped)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

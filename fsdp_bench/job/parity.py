@@ -23,6 +23,7 @@ from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import materialize, parallelize
 from fsdp_bench.job.training import (
     autocast_dtype,
+    clip_gradients,
     forward_backward,
     fp32_matmul_precision,
     global_micro_batch,
@@ -130,8 +131,10 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         for name, param in reference.named_parameters():
             param.copy_(start[name])
     bf16 = run.fsdp.mixed_precision == "bf16"  # FSDP2's policy, or autocast under DDP
+    stored_bf16 = run.model.dtype == "bf16"  # the reference is bf16 too: no fp32 master
     tf32 = device.type == "cuda" and run.train.fp32_matmul == "tf32"
-    precision = "bf16" if bf16 else "tf32" if tf32 else "fp32"
+    rounded = bf16 or run.fsdp.reduce_dtype == "bf16"
+    precision = "bf16" if rounded else "tf32" if tf32 else "fp32"
 
     batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
     forward_backward(model, batches, run.train.grad_sync, autocast=autocast_dtype(run))()
@@ -140,6 +143,9 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         for k in range(run.train.accumulation_steps)
     ]
     forward_backward(reference, global_batches, "every")()  # type: ignore[arg-type]
+    if run.train.max_grad_norm is not None:  # the total norm over every rank's shards
+        clip_gradients(list(model.parameters()), run.train.max_grad_norm, foreach=True)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), run.train.max_grad_norm)
 
     grads = {
         _plain_name(n): None if p.grad is None else _full(p.grad)
@@ -151,7 +157,7 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     lr = run.train.learning_rate
     _sgd_step(model, lr)
     params = {_plain_name(n): _full(p) for n, p in model.named_parameters()}
-    if bf16:  # the fp32 shards must have moved by -lr x the reference gradient
+    if bf16 and not stored_bf16:  # the fp32 shards must have moved by -lr x the gradient
         params = {n: p - start[n] for n, p in params.items()}
         ref_params = {n: -lr * g for n, g in ref_grads.items() if g is not None}
     else:

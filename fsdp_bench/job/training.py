@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.errors import ConfigError, one_line
 from fsdp_bench.job.models import logits_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -87,17 +89,26 @@ def fp32_matmul_precision() -> str:
 
 
 def build_optimizer(model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-    """Created after sharding, so it holds (and updates) the local shards only."""
-    params = model.parameters()
+    """Created after sharding, so it holds (and updates) the local shards only, with the
+    implementation `train.optimizer_impl` names (foreach is torch's default on GPU)."""
+    params = list(model.parameters())
     lr = run.train.learning_rate
-    match run.train.optimizer:
-        case "adamw":
-            # foreach is the default on GPU; on CPU it is also the faster implementation.
-            return torch.optim.AdamW(params, lr=lr, foreach=True)
-        case "sgd":
-            return torch.optim.SGD(params, lr=lr, foreach=True)
-        case other:
-            raise ValueError(f"optimizer {other!r}")
+    impl = run.train.optimizer_impl
+    foreach, fused = impl == "foreach", impl == "fused"
+    try:
+        match run.train.optimizer:
+            case "adamw":
+                return torch.optim.AdamW(params, lr=lr, foreach=foreach, fused=fused)
+            case "sgd":
+                return torch.optim.SGD(params, lr=lr, foreach=foreach, fused=fused)
+            case other:
+                raise ValueError(f"optimizer {other!r}")
+    except RuntimeError as err:  # e.g. a fused kernel this device has not
+        raise ConfigError(
+            f"train.optimizer_impl: {impl} is not available for {run.train.optimizer} on "
+            f"{params[0].device.type if params else 'this device'} here ({one_line(err, 160)}); "
+            "expected foreach or for_loop"
+        ) from None
 
 
 def forward_backward(
@@ -171,19 +182,38 @@ def make_train_step(
         model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark
     )
 
-    def train_step() -> None:
-        micro_batches()
+    max_norm = run.train.max_grad_norm
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreach = run.train.optimizer_impl != "for_loop"
+
+    def update() -> None:
+        if max_norm is not None:
+            clip_gradients(params, max_norm, foreach)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def train_step() -> None:
+        micro_batches()
+        update()
 
     def marked_train_step() -> None:
         assert mark is not None
         micro_batches()
         with mark("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            update()
 
     return train_step if mark is None else marked_train_step
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float, foreach: bool) -> None:
+    """Scale the gradients so their total 2-norm is at most `max_norm`. The shards' norms
+    are summed over the ranks by one all-reduce (their DTensor is partial until then), as
+    every rank must scale by the same factor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:

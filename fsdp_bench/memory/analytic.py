@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_bench.config.presets import ModelShape
-from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
 
 GB = 10**9
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq; plain SGD keeps nothing
@@ -54,13 +54,14 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     params = _parameter_shapes(shape)
     padded = sum(_padded(rows, cols, shard) for rows, cols in params)  # FSDP2 pads dim 0
     sharded = padded / shard
-    optimizer = OPTIMIZER_BYTES[run.train.optimizer]
+    stored = 2 if run.model.dtype == "bf16" else 4  # parameters, gradients, states alike
+    optimizer = OPTIMIZER_BYTES[run.train.optimizer] * stored // 4
     terms = {
-        "sharded_parameters": sharded * 4,
-        "sharded_gradients": sharded * 4,
+        "sharded_parameters": sharded * stored,
+        "sharded_gradients": sharded * stored,
         "optimizer_state": sharded * optimizer,
     }
-    steady = steady_state_bytes(padded * 4, padded * 4, padded * optimizer, shard)
+    steady = steady_state_bytes(padded * stored, padded * stored, padded * optimizer, shard)
     if run.strategy == "ddp":
         # The gradients are views of the reducer's buckets (gradient_as_bucket_view): one copy,
         # but micro-batches under no_sync accumulate theirs apart until the last one.
@@ -129,8 +130,10 @@ def _activation_bytes(run: RunConfig, shape: ModelShape, compute_bytes: int) -> 
 
     Per token and block, what autograd keeps for a Llama block: norm inputs and outputs, q, k,
     v and their rotated fp32 copies, the attention output, the three MLP projections and their
-    product. With block checkpointing: only each block's input, plus one block's activations
-    while it is recomputed.
+    product. A checkpointed block keeps only its input, and one block's activations exist
+    while it is recomputed; selective_op keeps, in every block, the attention output and the
+    outputs of every other matmul (q, v, the output projection's input... about half the
+    projections' outputs).
     """
     tokens = run.data.micro_batch_size * run.data.seq_len
     kv = shape.n_kv_heads * shape.head_dim
@@ -138,9 +141,18 @@ def _activation_bytes(run: RunConfig, shape: ModelShape, compute_bytes: int) -> 
     per_token += (shape.dim + kv) * 4  # rotary embedding works in fp32
     block = tokens * per_token
     embedding = tokens * shape.dim * compute_bytes
-    if run.fsdp.activation_checkpointing == "block":
-        return embedding + tokens * shape.dim * compute_bytes * shape.n_layers + block
-    return embedding + block * shape.n_layers
+    block_input = tokens * shape.dim * compute_bytes
+    mode = run.fsdp.activation_checkpointing
+    if mode == "selective_op":
+        matmuls = (2 * shape.dim + 2 * kv + 3 * shape.ffn_dim) * compute_bytes / 2
+        kept = tokens * (matmuls + 2 * shape.dim * compute_bytes) + block_input
+        return embedding + kept * shape.n_layers + block
+    every = checkpointed_every(mode)
+    if every is None:
+        return embedding + block * shape.n_layers
+    checkpointed = -(-shape.n_layers // every)
+    full = shape.n_layers - checkpointed
+    return embedding + block_input * checkpointed + block * full + block
 
 
 def _parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:

@@ -72,21 +72,27 @@ def outside_terms_gib(run: RunConfig, device_type: str) -> dict[str, float]:
 class Calibration:
     """What measured CUDA runs of the folder say about the terms the tensors do not show.
 
-    `reserve_ratios`: measured peak reserved over the estimated reserved, per device name;
-    `outside_gaps_gib`: device memory in use at the end of the timed steps minus peak reserved,
-    per (device name, world size). The run may land on any device measured: the largest
-    value over devices is taken."""
+    `reserve_ratios`: measured peak reserved over the estimated reserved, per (device name,
+    compiled or not): the estimate follows eager execution, and inductor's fusion frees
+    intermediates, so compiled runs have ratios of their own; `outside_gaps_gib`: device
+    memory in use at the end of the timed steps minus peak reserved, per (device name, world
+    size). The run may land on any device measured: the largest value over devices is
+    taken."""
 
     configured_outside_gib: float | None = None
-    reserve_ratios: dict[str, list[float]] = field(default_factory=dict)
+    reserve_ratios: dict[tuple[str, bool], list[float]] = field(default_factory=dict)
     outside_gaps_gib: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
-    def reserve_factor(self) -> tuple[float, str]:
-        if not self.reserve_ratios:
+    def reserve_factor(self, compiled: bool = False) -> tuple[float, str]:
+        ratios = [r for (_, kind), r in self.reserve_ratios.items() if kind == compiled]
+        if not ratios:
+            if compiled:
+                return 1.0, "eager allocator model: an upper bound for a compiled run"
             return 1.0, "allocator model"
-        factor = max(_quantile(r, RESERVE_QUANTILE) for r in self.reserve_ratios.values())
-        count = sum(len(r) for r in self.reserve_ratios.values())
-        return factor, f"allocator model x {factor:.3f}, calibrated on {count} CUDA runs"
+        factor = max(_quantile(r, RESERVE_QUANTILE) for r in ratios)
+        count = sum(len(r) for r in ratios)
+        kind = "compiled " if compiled else ""
+        return factor, f"allocator model x {factor:.3f}, calibrated on {count} {kind}CUDA runs"
 
     def outside(self, world_size: int, default_gib: float) -> tuple[float, str]:
         if self.configured_outside_gib is not None:
@@ -109,14 +115,15 @@ class Calibration:
 
 def calibration(memory: MemoryConfig, store: ResultStore | None) -> Calibration:
     """The folder's measured CUDA runs, read once (see Calibration)."""
-    ratios: dict[str, list[float]] = {}
+    ratios: dict[tuple[str, bool], list[float]] = {}
     gaps: dict[tuple[str, int], list[float]] = {}
     for result in store.results() if store is not None else []:
         if result.status != "ok" or not result.peak_reserved_gib:
             continue
         device = str(result.provenance.get("device_name", ""))
+        compiled = result.config.get("train", {}).get("compile", "none") != "none"
         if result.estimated_reserved_gib:
-            ratios.setdefault(device, []).append(
+            ratios.setdefault((device, compiled), []).append(
                 result.peak_reserved_gib / result.estimated_reserved_gib
             )
         if result.device_used_peak_gib:
@@ -136,6 +143,8 @@ class Prediction:
     device_used_gib: float | None = None
     terms_gib: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    upper_bound: bool = False
+    """A compiled run judged on the eager estimate before any compiled run was measured."""
 
     @property
     def peaks(self) -> dict[str, float | None]:
@@ -153,9 +162,11 @@ def predict(
     outside_default_gib: dict[str, float],
     world_size: int,
     known: Calibration,
+    compiled: bool = False,
 ) -> Prediction:
     """The figures from an estimate's tensors and allocator replay (None on CPU, where
-    device-used is the tensors plus a configured overhead)."""
+    device-used is the tensors plus a configured overhead). For a `compiled` run the eager
+    figures are an upper bound until compiled runs are measured in the folder."""
     if tensors_gib is None:
         return Prediction(None)
     if reserved_gib is None or allocated_gib is None:  # a CPU run: no allocator to model
@@ -164,8 +175,8 @@ def predict(
             return Prediction(tensors_gib, None, None, tensors_gib, {"tensors": tensors_gib})
         terms = {"tensors": tensors_gib, "outside": extra}
         sources = {"outside": "configured (memory.overhead_gib)"}
-        return Prediction(tensors_gib, None, None, tensors_gib + extra, terms, sources)
-    factor, reserve_source = known.reserve_factor()
+        return Prediction(tensors_gib, None, None, tensors_gib + extra, terms, sources, compiled)
+    factor, reserve_source = known.reserve_factor(compiled)
     reserved = reserved_gib * factor
     outside, outside_source = known.outside(world_size, sum(outside_default_gib.values()))
     terms = {"tensors": tensors_gib, "allocator": reserved - tensors_gib}
@@ -180,6 +191,7 @@ def predict(
         reserved + outside,
         terms,
         {"reserved": reserve_source, "outside": outside_source},
+        compiled and reserve_source.startswith("eager"),
     )
 
 
@@ -189,6 +201,8 @@ def predicted_oom(prediction: Prediction, memory: MemoryConfig) -> str:
     used = prediction.device_used_gib
     if memory.budget_gib is None or used is None:
         return ""
+    if prediction.upper_bound and not memory.prune_compiled:
+        return ""  # eager memory overstates a compiled run's: measure it instead
     if used + memory.margin_gib <= memory.budget_gib:
         return ""
     parts = " + ".join(f"{name} {value:.2f}" for name, value in prediction.terms_gib.items())

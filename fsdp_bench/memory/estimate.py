@@ -29,10 +29,11 @@ from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-5"
+CACHE_VERSION = f"{__version__}/estimator-6"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
-buckets; 4: the model built for the run's device; 5: the caching allocator's figures)."""
+buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
+practitioners' settings)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -76,6 +77,8 @@ class RunEstimate:
     outside_terms_gib: dict[str, float] = field(default_factory=dict)
     """On CUDA: the default model of memory outside the allocator (`device_memory`)."""
     world_size: int = 1
+    compiled: bool = False
+    """train.compile is set: the estimate follows eager execution (`device_memory`)."""
     version: str = CACHE_VERSION
 
     def predict(self, known: Calibration) -> Prediction:
@@ -87,6 +90,7 @@ class RunEstimate:
             self.outside_terms_gib,
             self.world_size,
             known,
+            self.compiled,
         )
 
     def peaks(self, known: Calibration) -> EstimatedPeaks:
@@ -103,6 +107,7 @@ def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
         run_id=run.run_id,
         device_type=device_type,
         world_size=run.world_size,
+        compiled=run.train.compile != "none",
         outside_terms_gib=outside_terms_gib(run, device_type),
         estimated_peak_gib=None,
         analytic_peak_gib=analytic.peak_bytes / GIB if analytic else None,

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_bench.config.run import ModelConfig, RunConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import ConfigError, one_line
 from fsdp_bench.memory.pool import in_subprocesses
