@@ -309,7 +309,7 @@ def test_estimate_of_a_shipped_config_at_64_ranks(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     [estimate] = json.loads(done.stdout)
-    assert estimate["error"] == "" and estimate["method"].startswith("extrapolated from")
+    assert estimate["error"] == "" and estimate["method"].startswith("deepened from")
     shard_gib = 7.616e9 * 4 / 64 / 2**30  # fp32 parameters, one 64th each
     assert estimate["breakdown_gib"]["parameter"] > shard_gib
     assert shard_gib * 4 < estimate["estimated_peak_gib"] < 40  # shards + AdamW, under an H100

@@ -9,6 +9,17 @@ recording). The stream is the one current at the allocation: FSDP2 on a CPU mesh
 show on its copy-in stream and its reduce-scatter outputs on its reduce-scatter stream. DTensor's
 shape propagation (fake tensors of the global shape) is not memory and is left out, as the
 tracker leaves it out.
+
+Each event also carries a block tag, what `deepen` needs to make a deep model's trace from a
+shallow one's: inside forward and backward, the transformer block running (a block's forward
+pre-hook, and a hook on the gradient of its output, which fires as its backward begins);
+elsewhere (materialising, the optimizer, clipping) the block of the tensors the operator reads:
+a foreach operator's i-th output the block of its inputs' i-th element, any other output the
+one block all its tagged inputs share. Parameters are tagged by the block that owns them once
+materialised. Each allocation also gets a category at the moment it is known (parameter,
+gradient, optimizer_state; else activation in forward, temp in backward and the optimizer,
+inputs, other; FSDP2's unsharded parameters, the storages it resizes, are parameters as the
+tracker counts them): the breakdown of a peak.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -41,9 +53,15 @@ thread's (backward), both on the default stream."""
 
 @dataclass
 class AllocationTrace:
-    """("alloc", key, bytes, stream) and ("free", key) events, in order."""
+    """("alloc", key, bytes, stream) and ("free", key) events, in order, with their block tags
+    (None: no block), the categories of the allocations and named marks (event positions)."""
 
     events: list[tuple[Any, ...]] = field(default_factory=list)
+    tags: list[int | None] = field(default_factory=list)
+    categories: dict[Any, str] = field(default_factory=dict)
+    marks: dict[str, int] = field(default_factory=dict)
+    sources: list[int] = field(default_factory=list)
+    """For a trace `deepen` made: the shallow trace's event each event is a copy of."""
 
     def replay(
         self, *, expandable: bool = False, capacity_bytes: int | None = None
@@ -64,28 +82,117 @@ class AllocationTrace:
     @property
     def live_peak_bytes(self) -> int:
         """The most bytes alive at once, as requested (no rounding, no workspaces)."""
-        live = peak = 0
+        return self.live_peak()[0]
+
+    def live_peak(
+        self, since: str | None = None, *, with_inputs: bool = False
+    ) -> tuple[int, dict[str, int]]:
+        """The most bytes alive at once from the mark `since` on (None: the whole trace), as
+        requested, and what was alive then by category. Inputs are left out unless
+        `with_inputs`: the tracker meets the batch only as an operand and counts it only for
+        DDP (see `tracker`), and this is its figure."""
+        skipped = set() if with_inputs else {"inputs"}
+        start = self.marks[since] if since is not None else 0
         sizes: dict[Any, int] = {}
-        for event in self.events:
+        live = peak = peak_at = 0
+        for index, event in enumerate(self.events):
             if event[0] == "alloc":
+                if self.categories.get(event[1]) in skipped:
+                    continue
                 sizes[event[1]] = event[2]
                 live += event[2]
-                peak = max(peak, live)
-            else:
+                if index >= start and live > peak:
+                    peak, peak_at = live, index
+            elif event[1] in sizes:
                 live -= sizes.pop(event[1])
-        return peak
+        return peak, self._live_by_category(peak_at, peak > 0, skipped)
+
+    def _live_by_category(self, at: int, any_live: bool, skipped: set[str]) -> dict[str, int]:
+        sizes: dict[Any, int] = {}
+        for event in self.events[: at + 1] if any_live else ():
+            if event[0] == "alloc":
+                sizes[event[1]] = event[2]
+            else:
+                sizes.pop(event[1], None)
+        parts: dict[str, int] = {}
+        for key, num_bytes in sizes.items():
+            category = self.categories.get(key, "other")
+            if category not in skipped:
+                parts[category] = parts.get(category, 0) + num_bytes
+        return parts
+
+
+class BlockContext:
+    """Which block is running, from hooks on the model's blocks, while a phase mark says
+    forward or backward (`phase`): what `_Recorder` tags events made there with. Forward moves
+    on to the next block as a block returns, so what comes before the first block (the
+    embedding, block 0's all-gather) is block 0's, and what comes after the last (the head, the
+    loss, and their backward, which begins backward) is tagged as one block further."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.phase: str | None = None
+        self.block: int | None = None
+        self._head = len(blocks) if blocks else None
+        self._handles = []
+        for index, block in enumerate(blocks):
+            self._handles.append(block.register_forward_pre_hook(self._entering(index)))
+            self._handles.append(block.register_forward_hook(self._on_output(index)))
+
+    @property
+    def current(self) -> int | None:
+        return self.block if self.phase in ("forward", "backward") else None
+
+    def _entering(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.block = index
+
+        return hook
+
+    def _on_output(self, index: int) -> Any:
+        def backward_begins(grad: torch.Tensor) -> None:
+            self.block = index
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.phase == "forward":  # not in backward's recomputation
+                self.block = index + 1
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(backward_begins)
+                    return
+
+        return hook
+
+    @contextlib.contextmanager
+    def mark(self, phase: str) -> Iterator[None]:
+        """A `training.Mark`: the step's phases (forward, backward, optimizer)."""
+        start = {"forward": 0 if self._head else None, "backward": self._head}
+        self.phase, self.block = phase, start.get(phase)
+        try:
+            yield
+        finally:
+            self.phase, self.block = None, None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: AllocationTrace) -> None:
+    def __init__(self, trace: AllocationTrace, context: BlockContext | None) -> None:
         super().__init__()
         self.trace = trace
+        self.context = context
         self._token: Any = WeakIdKeyDictionary()
         """Storage -> its token: one per storage for its life."""
         self._key: dict[int, int | None] = {}
         """Token -> the key of the storage's allocation now (None: resized to nothing)."""
+        self._tag: dict[int, int | None] = {}
+        """Token -> its block tag."""
+        self._event: dict[int, int] = {}
+        """Key -> the position of its allocation event."""
         self._streams: dict[int, str] = {id(torch.cpu.current_stream()): DEFAULT_STREAM}
         self._next = 0
+        self.closed = False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -93,24 +200,49 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if propagating() and DTensor not in types:
             return out
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, DTensor):  # its local shard, made out of this mode's sight
-                tensor = tensor._local_tensor
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage not in self._token:
-                    self._register(storage)
+        block = self.context.current if self.context is not None else None
+        if isinstance(out, (list, tuple)) and block is None:  # foreach: element by element
+            lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == len(out)]
+            for index, element in enumerate(out):
+                inputs = lists[0][index] if lists else ()
+                self._register_outputs(element, self._common_tag(inputs))
+        else:
+            self._register_outputs(out, block if block is not None else self._common_tag(args))
         return out
+
+    def _register_outputs(self, out: Any, tag: int | None) -> None:
+        for tensor in tree_leaves(out):
+            storage = self._storage(tensor)
+            if storage is not None and storage not in self._token:
+                self._register(storage, tag)
+
+    def _common_tag(self, inputs: Any) -> int | None:
+        """The block of the tensors among `inputs`, if they are of one block."""
+        found = set()
+        for tensor in tree_leaves(inputs):
+            storage = self._storage(tensor)
+            if storage is not None and storage in self._token:
+                tag = self._tag.get(self._token[storage])
+                if tag is not None:
+                    found.add(tag)
+        return found.pop() if len(found) == 1 else None
+
+    @staticmethod
+    def _storage(tensor: Any) -> Any:
+        if isinstance(tensor, DTensor):  # its local shard, made out of this mode's sight
+            tensor = tensor._local_tensor
+        return tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
 
     def _stream(self) -> str:
         stream = torch.cpu.current_stream()
         return self._streams.setdefault(id(stream), f"stream {len(self._streams)}")
 
-    def _register(self, storage: Any) -> None:
+    def _register(self, storage: Any, tag: int | None) -> None:
         token = self._next
         self._next += 1
         self._token[storage] = token
         self._key[token] = None
+        self._tag[token] = tag
         self._allocate(token, storage.nbytes())
         weakref.finalize(storage, self._free, token)
 
@@ -119,34 +251,66 @@ class _Recorder(TorchDispatchMode):
             key = self._next
             self._next += 1
             self._key[token] = key
+            block = self.context.current if self.context is not None else None
+            self._event[key] = len(self.trace.events)
             self.trace.events.append(("alloc", key, num_bytes, self._stream()))
+            self.trace.tags.append(block if block is not None else self._tag[token])
+            phase = self.context.phase if self.context is not None else None
+            category = {"forward": "activation", "backward": "temp", "optimizer": "temp"}
+            self.trace.categories[key] = category.get(phase or "", "other")
 
     def _free(self, token: int) -> None:
+        if self.closed:  # after recording: the model torn down, not the step
+            return
         key = self._key.pop(token, None)
+        tag = self._tag.pop(token, None)
         if key is not None:
+            block = self.context.current if self.context is not None else None
             self.trace.events.append(("free", key))
+            self.trace.tags.append(block if block is not None else tag)
 
     def resized(self, storage: Any, num_bytes: int) -> None:
         """A storage resized (FSDP2's unsharded parameters): freed at its old size, allocated
-        at its new one."""
+        at its new one, a parameter."""
         if storage not in self._token:
-            self._register(storage)
+            self._register(storage, None)
             return
         token = self._token[storage]
+        tag = self._tag[token]
         self._free(token)
         self._key[token] = None
+        self._tag[token] = tag
         self._allocate(token, num_bytes)
+        key = self._key[token]
+        if key is not None:  # what the tracker counts them as
+            self.trace.categories[key] = "parameter"
+
+    def classify(self, tensors: Any, category: str, tag: int | None = None) -> None:
+        """Name the allocations of `tensors`' storages (as alive now) `category`; with `tag`,
+        also tag them with that block (parameters once materialised)."""
+        for tensor in tree_leaves(tensors):
+            storage = self._storage(tensor)
+            if storage is None or storage not in self._token:
+                continue
+            token = self._token[storage]
+            key = self._key.get(token)
+            if key is None:
+                continue
+            self.trace.categories[key] = category
+            if tag is not None:
+                self._tag[token] = tag
+                self.trace.tags[self._event[key]] = tag
+
+    def mark(self, name: str) -> None:
+        self.trace.marks[name] = len(self.trace.events)
 
 
 @contextlib.contextmanager
-def recording(enabled: bool = True) -> Iterator[AllocationTrace]:
-    """Record the allocations made inside (enter it inside the fake mode); not `enabled`, an
-    empty trace at no cost."""
+def recording(context: BlockContext | None = None) -> Iterator[_Recorder]:
+    """Record the allocations made inside (enter it inside the fake mode), tagged by the
+    blocks `context` follows."""
     trace = AllocationTrace()
-    if not enabled:
-        yield trace
-        return
-    recorder = _Recorder(trace)
+    recorder = _Recorder(trace, context)
     resize = torch.UntypedStorage.resize_
 
     def watched_resize(storage: Any, size: int) -> Any:
@@ -157,9 +321,10 @@ def recording(enabled: bool = True) -> Iterator[AllocationTrace]:
     torch.UntypedStorage.resize_ = watched_resize  # type: ignore[method-assign,assignment]
     try:
         with marked_propagation(), recorder:
-            yield trace
+            yield recorder
     finally:
         torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        recorder.closed = True
 
 
-__all__ = ["AllocationTrace", "OutOfMemory", "recording"]
+__all__ = ["AllocationTrace", "BlockContext", "OutOfMemory", "recording"]

@@ -1,41 +1,35 @@
-"""The simulated estimate: the worker's own code for rank 0, at the target world size, on fake
-tensors and a fake process group, measured by the same memory tracker as a real run.
-
-Same model, same `parallelize`, same optimizer and training step, same `profile_step`: what a
-real run would allocate, tensor by tensor, without memory or a GPU. For a CUDA run the
+"""The simulated estimate: the worker's own step for rank 0, at the target world size, on fake
+tensors and a fake process group (`fake_step`), measured by the same memory tracker as a real
+run or read from its recorded allocations. For a CUDA run the
 allocations are also recorded in order, with their streams (`alloc_trace`), and replayed
 through the caching allocator model (`allocator`): allocated and reserved memory. What lives
 outside the allocator is `device_memory`'s.
 
-Large models' tensors are simulated with a few blocks and extrapolated: every per-rank category
-is affine in the number of identical blocks (shards, gradients, optimizer state and saved
-activations grow with it; the root group, the prefetch buffer and the logits do not), so two
-small simulations give the slope and intercept. The allocator's figures are not affine (a new
-segment comes whenever the cached ones stop fitting): they are recorded over the whole model,
-in two steps without the tracker.
+A large model is simulated with a few blocks and deepened (`deepen`): the shallow model's
+allocations, tagged by block, with a middle period of blocks repeated up to the model's depth,
+give the deep model's trace allocation for allocation, and every figure (the tensors' peak and
+its breakdown, the allocator's) comes from it. Whether the repetition holds is checked for
+each run: the trace deepened by one period must be the simulated one of that depth, in order
+and stream, sizes that hold every block (a root group's all-gather, DDP's buckets) growing as
+they grew there. Where it does not hold, every per-rank category is taken as affine in the
+blocks (two small tracked simulations give slope and intercept) and the allocator's figures
+come from the whole model's allocations, recorded in two untracked steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
-from fsdp_bench.config.run import RunConfig, grouping_block_count
-from fsdp_bench.job.measure import MemoryReport, profile_step
-from fsdp_bench.job.models import build_model, initialize
-from fsdp_bench.job.parallelize import materialize, wrap_on_meta
-from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
-from fsdp_bench.memory.alloc_trace import recording
-from fsdp_bench.memory.fake import fake_tensors, fake_world
+from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
+from fsdp_bench.job.measure import MemoryReport
+from fsdp_bench.memory.alloc_trace import AllocationTrace
+from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period
+from fsdp_bench.memory.fake_step import SimulatedStep, record_step, simulate_step
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,7 @@ class SimulatedEstimate:
     peak_bytes: int
     breakdown_bytes: dict[str, int]
     method: str
-    """`full`, or `extrapolated from N and M blocks`."""
+    """`full`, `deepened from N blocks (checked at M)` or `extrapolated from N and M blocks`."""
     wall_s: float
     host_bytes: int = 0
     """With CPU offload: what stays in host memory (shards, gradients, optimizer state),
@@ -55,14 +49,6 @@ class SimulatedEstimate:
     max_memory_reserved (segments) will say."""
 
 
-@dataclass
-class SimulatedStep(MemoryReport):
-    """The tracked step, and its allocations replayed through the caching allocator."""
-
-    allocated_bytes: int = 0
-    reserved_bytes: int = 0
-
-
 def simulate(
     run: RunConfig, *, device_type: str = "cpu", extrapolate: bool = True
 ) -> SimulatedEstimate:
@@ -70,6 +56,12 @@ def simulate(
     running it: the tensors are the CPU's, fake, but the model is built as for that device."""
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     start = time.perf_counter()
+    plan = _deepening(run) if extrapolate else None
+    if plan is not None:
+        try:
+            return _deepened(run, device_type, plan, start)
+        except CannotDeepen:
+            pass  # the trace is not a repetition of its template: the lines below
     points = _settled_line(run, device_type) if extrapolate else None
     if points is None:
         report = simulate_step(run, device_type)
@@ -115,9 +107,71 @@ def simulate(
     # the whole model's allocations, recorded in steps without the tracker.
     allocator = (0, 0)
     if device_type == "cuda":
-        whole = simulate_step(run, device_type, tracked=False)
-        allocator = (whole.allocated_bytes, whole.reserved_bytes)
+        allocator = _allocator_peaks(record_step(run, device_type).trace, run)
     return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded, allocator)
+
+
+@dataclass(frozen=True)
+class _Deepening:
+    """Simulate `blocks`, check against `blocks + period`, then make `target` (`deepen`)."""
+
+    blocks: int
+    template_start: int
+    period: int
+    target: int
+
+    @property
+    def template(self) -> tuple[int, int]:
+        return self.template_start, self.period
+
+
+def _deepening(run: RunConfig) -> _Deepening | None:
+    """How a deep model's trace is made from a shallow one's; None: not a model whose depth can
+    change, or one too shallow to gain from it.
+
+    The template is a period of blocks that are alike: `period` blocks make one FSDP group
+    (blocks:K) and one round of every_N checkpointing. The first blocks (as many periods as
+    the prefetch depth) and the last ones are not alike and are kept around it."""
+    target = _num_layers(run)  # None for a user's module
+    if target is None:
+        return None
+    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
+    every = checkpointed_every(run.fsdp.activation_checkpointing) or 1
+    period = math.lcm(per_group, every)
+    depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
+    margin = period * max(1, depth)
+    left = margin + period  # the first blocks, then a period like the template
+    blocks = left + period + margin
+    if target % period or target <= blocks + period:
+        return None
+    return _Deepening(blocks, left, period, target)
+
+
+def _deepened(
+    run: RunConfig, device_type: str, plan: _Deepening, start: float
+) -> SimulatedEstimate:
+    """The estimate from a `plan.blocks`-block simulation, deepened to the model's depth, once
+    the same deepening by one period has reproduced a simulated trace, allocation for
+    allocation (sizes that hold every block grown as they grew in that period)."""
+    small = record_step(_with_layers(run, plan.blocks), device_type)
+    check = record_step(_with_layers(run, plan.blocks + plan.period), device_type)
+    made = deepen(small.trace, plan.blocks, plan.blocks + plan.period, *plan.template)
+    growth = growth_per_period(made, check.trace)
+    deep = deepen(small.trace, plan.blocks, plan.target, *plan.template)
+    deep = grown(deep, growth, (plan.target - plan.blocks) // plan.period)
+    peak, breakdown = deep.live_peak("step", with_inputs=run.strategy == "ddp")
+    allocator = _allocator_peaks(deep, run) if device_type == "cuda" else (0, 0)
+    periods = (plan.target - plan.blocks) // plan.period
+    (shard_a, state_a), (shard_b, state_b) = small.offloaded, check.offloaded
+    offloaded = (shard_a + (shard_b - shard_a) * periods, state_a + (state_b - state_a) * periods)
+    method = f"deepened from {plan.blocks} blocks (checked at {plan.blocks + plan.period})"
+    wall_s = time.perf_counter() - start
+    return _on_device(peak, breakdown, method, wall_s, offloaded, allocator)
+
+
+def _allocator_peaks(trace: AllocationTrace, run: RunConfig) -> tuple[int, int]:
+    stats = trace.replay(expandable=run.train.expandable_segments).stats
+    return stats.peak_allocated_bytes, stats.peak_reserved_bytes
 
 
 def _on_device(
@@ -182,93 +236,6 @@ def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, Simulate
     return None
 
 
-def simulate_step(
-    run: RunConfig, device_type: str = "cpu", *, tracked: bool = True
-) -> SimulatedStep:
-    """A warm-up step, then the profiled step, all on fake tensors, their allocations replayed
-    through the caching allocator model. Not `tracked`: a plain second step, the allocator's
-    figures only (the tracker costs most of a simulation's time).
-
-    Sharding happens on the meta device before fake mode (FSDP2 builds small real index
-    tensors for its meshes then). DDP is simulated unwrapped (its wrapper talks to the process
-    group at construction), its reducer's gradient buckets emulated (`_reduce_into_buckets`)."""
-    with fake_world(run.world_size):
-        names = ("replicate", "shard") if len(run.mesh_shape) == 2 else ("shard",)
-        mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
-        device = torch.device("cpu")
-        torch.manual_seed(run.data.seed)
-        bundle = build_model(run.model, device_type)
-        model, _ = wrap_on_meta(bundle, run, mesh, device)
-        with fake_tensors(), recording(enabled=device_type == "cuda") as trace:
-            materialize(model, device)
-            initialize(bundle, model)
-            optimizer = build_optimizer(model, run)
-            batches = rank_batches(run, 0, bundle.vocab_size, device)
-            if run.strategy == "ddp":
-                _reduce_into_buckets(model, run)
-            # A warm-up step, as the run's: the optimizer's state, and the allocator's cache as
-            # a first step leaves it (creating the state up front instead, on zero gradients,
-            # gave the same tensors but a reserve 4-6% higher than a real run's order).
-            step = make_train_step(model, optimizer, batches, run)
-            step()
-            if tracked:
-                memory = profile_step(model, optimizer, batches, run, break_down=False).memory
-            else:
-                step()
-                memory = MemoryReport(trace.live_peak_bytes)
-            if run.fsdp.cpu_offload and run.strategy != "ddp":
-                _measure_offload(memory, model, optimizer)
-    if not trace.events:  # not on CUDA: no caching allocator to model
-        return SimulatedStep(**vars(memory))
-    allocator = trace.replay(expandable=run.train.expandable_segments).stats
-    return SimulatedStep(
-        **vars(memory),
-        allocated_bytes=allocator.peak_allocated_bytes,
-        reserved_bytes=allocator.peak_reserved_bytes,
-    )
-
-
-def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:
-    """What DDP's reducer does to memory (gradient_as_bucket_view): flat buckets of every
-    gradient, made at construction and held from before the step; each gradient, once
-    accumulated in a micro-batch that synchronises, written into its view of a bucket and
-    replaced by that view. Under `grad_sync: last` the micro-batches before the last keep
-    their gradients apart, as `no_sync` does."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    buckets = {
-        dtype: torch.empty(sum(p.numel() for p in params if p.dtype == dtype), dtype=dtype)
-        for dtype in {p.dtype for p in params}
-    }
-    every = run.train.accumulation_steps if run.train.grad_sync == "last" else 1
-    offsets = dict.fromkeys(buckets, 0)
-    for param in params:
-        start, offsets[param.dtype] = offsets[param.dtype], offsets[param.dtype] + param.numel()
-        calls = [0]
-
-        def into_bucket(param: Any, start: int = start, calls: list[int] = calls) -> None:
-            calls[0] += 1
-            if calls[0] % every == 0:
-                view = buckets[param.dtype].narrow(0, start, param.numel()).view_as(param)
-                view.copy_(param.grad)
-                param.grad = view
-
-        param.register_post_accumulate_grad_hook(into_bucket)
-
-
-def _measure_offload(memory: MemoryReport, model: nn.Module, optimizer: Any) -> None:
-    """What CPUOffloadPolicy keeps in host memory: each rank's parameter shards, as many
-    bytes of gradient shards, and the optimizer state."""
-    memory.offloaded_shard_bytes = sum(
-        _local(p).numel() * p.element_size() for p in model.parameters()
-    )
-    memory.offloaded_state_bytes = sum(
-        _local(value).numel() * value.element_size()
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    )
-
-
 def device_share(
     peak: int, breakdown: dict[str, int], shard_bytes: int, state_bytes: int
 ) -> tuple[int, dict[str, int], int]:
@@ -284,10 +251,6 @@ def device_share(
     parts["parameter"] = parts.get("parameter", 0) - params
     parts["gradient"] = parts.get("gradient", 0) - grads
     return peak - moved, parts, 2 * shard_bytes + state_bytes
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:

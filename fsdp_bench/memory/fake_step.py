@@ -1,0 +1,198 @@
+"""The worker's training step for rank 0 on fake tensors and a fake process group: what a real
+run of the configuration would allocate, tensor by tensor, without memory or a GPU
+(`simulate` decides which depths to run it at and what to make of it).
+
+Same model, same `parallelize`, same optimizer and training step: `simulate_step` measures it
+with the tracker of real runs, `record_step` records every allocation tagged by block
+(`alloc_trace`), which is what `deepen` works on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.measure import MemoryReport, profile_step
+from fsdp_bench.job.models import ModelBundle, build_model, initialize
+from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
+from fsdp_bench.memory.fake import fake_tensors, fake_world
+
+
+@dataclass
+class SimulatedStep(MemoryReport):
+    """The tracked step, and its allocations replayed through the caching allocator."""
+
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+
+
+def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
+    """A warm-up step, then the profiled step, all on fake tensors; on CUDA their allocations
+    replayed through the caching allocator model.
+
+    Sharding happens on the meta device before fake mode (FSDP2 builds small real index
+    tensors for its meshes then). DDP is simulated unwrapped (its wrapper talks to the process
+    group at construction), its reducer's gradient buckets emulated (`_reduce_into_buckets`)."""
+    with _simulated_model(run, device_type) as (model, bundle, device):
+        cuda = device_type == "cuda"
+        with fake_tensors(), recording() if cuda else contextlib.nullcontext() as recorder:
+            optimizer, batches = _set_up(model, bundle, run, device)
+            # A warm-up step, as the run's: the optimizer's state, and the allocator's cache as
+            # a first step leaves it (creating the state up front instead, on zero gradients,
+            # gave the same tensors but a reserve 4-6% higher than a real run's order).
+            make_train_step(model, optimizer, batches, run)()
+            memory = profile_step(model, optimizer, batches, run, break_down=False).memory
+            if run.fsdp.cpu_offload and run.strategy != "ddp":
+                _measure_offload(memory, model, optimizer)
+    if recorder is None:  # not on CUDA: no caching allocator to model
+        return SimulatedStep(**vars(memory))
+    allocator = recorder.trace.replay(expandable=run.train.expandable_segments).stats
+    return SimulatedStep(
+        **vars(memory),
+        allocated_bytes=allocator.peak_allocated_bytes,
+        reserved_bytes=allocator.peak_reserved_bytes,
+    )
+
+
+@dataclass
+class RecordedStep:
+    """A simulation's block-tagged allocations (`alloc_trace`) through set-up, a warm-up step
+    and the step measured (from the mark "step"), untracked: what `deepen` works on."""
+
+    trace: AllocationTrace
+    offloaded: tuple[int, int] = (0, 0)
+    """With CPU offload: `MemoryReport.offloaded_shard_bytes`, `offloaded_state_bytes`."""
+
+
+def record_step(run: RunConfig, device_type: str = "cpu") -> RecordedStep:
+    """`simulate_step`'s two steps without the tracker, every allocation recorded and tagged
+    with its block, classified as the tracker would (parameters, gradients, optimizer state)."""
+    with _simulated_model(run, device_type) as (model, bundle, device):
+        context = BlockContext(bundle.blocks)
+        with fake_tensors(), recording(context) as recorder:
+            optimizer, batches = _set_up(model, bundle, run, device, recorder)
+            grads = lambda: [p.grad for p in model.parameters() if p.grad is not None]  # noqa: E731
+
+            @contextlib.contextmanager
+            def phase(name: str) -> Iterator[None]:
+                if name == "optimizer":
+                    recorder.classify(grads(), "gradient")
+                with context.mark(name):
+                    yield
+
+            step = make_train_step(model, optimizer, batches, run, mark=phase)
+            step()
+            recorder.classify(_state_tensors(optimizer), "optimizer_state")
+            recorder.mark("step")
+            step()
+            memory = MemoryReport(0)
+            if run.fsdp.cpu_offload and run.strategy != "ddp":
+                _measure_offload(memory, model, optimizer)
+        context.remove()
+    return RecordedStep(
+        recorder.trace, (memory.offloaded_shard_bytes, memory.offloaded_state_bytes)
+    )
+
+
+@contextlib.contextmanager
+def _simulated_model(
+    run: RunConfig, device_type: str
+) -> Iterator[tuple[nn.Module, ModelBundle, torch.device]]:
+    """Rank 0's model of `run`, built for `device_type` and sharded on the meta device, in a
+    fake world of the run's size."""
+    with fake_world(run.world_size):
+        names = ("replicate", "shard") if len(run.mesh_shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
+        device = torch.device("cpu")
+        torch.manual_seed(run.data.seed)
+        bundle = build_model(run.model, device_type)
+        model, _ = wrap_on_meta(bundle, run, mesh, device)
+        yield model, bundle, device
+
+
+def _set_up(
+    model: nn.Module,
+    bundle: ModelBundle,
+    run: RunConfig,
+    device: torch.device,
+    recorder: Any = None,
+) -> tuple[torch.optim.Optimizer, list[Any]]:
+    """Parameters materialised and initialised, the optimizer, the rank's batches (and DDP's
+    buckets), inside the fake mode; with a recorder, each named for what it is."""
+    materialize(model, device)
+    initialize(bundle, model)
+    if recorder is not None:
+        in_blocks: set[int] = set()
+        for index, block in enumerate(bundle.blocks):
+            params = list(block.parameters())
+            in_blocks.update(id(p) for p in params)
+            recorder.classify(params, "parameter", tag=index)
+        recorder.classify([p for p in model.parameters() if id(p) not in in_blocks], "parameter")
+    optimizer = build_optimizer(model, run)
+    batches = rank_batches(run, 0, bundle.vocab_size, device)
+    if recorder is not None:
+        recorder.classify(batches, "inputs")
+    if run.strategy == "ddp":
+        _reduce_into_buckets(model, run)
+    return optimizer, batches
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:
+    """What DDP's reducer does to memory (gradient_as_bucket_view): flat buckets of every
+    gradient, made at construction and held from before the step; each gradient, once
+    accumulated in a micro-batch that synchronises, written into its view of a bucket and
+    replaced by that view. Under `grad_sync: last` the micro-batches before the last keep
+    their gradients apart, as `no_sync` does."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = {
+        dtype: torch.empty(sum(p.numel() for p in params if p.dtype == dtype), dtype=dtype)
+        for dtype in {p.dtype for p in params}
+    }
+    every = run.train.accumulation_steps if run.train.grad_sync == "last" else 1
+    offsets = dict.fromkeys(buckets, 0)
+    for param in params:
+        start, offsets[param.dtype] = offsets[param.dtype], offsets[param.dtype] + param.numel()
+        calls = [0]
+
+        def into_bucket(param: Any, start: int = start, calls: list[int] = calls) -> None:
+            calls[0] += 1
+            if calls[0] % every == 0:
+                view = buckets[param.dtype].narrow(0, start, param.numel()).view_as(param)
+                view.copy_(param.grad)
+                param.grad = view
+
+        param.register_post_accumulate_grad_hook(into_bucket)
+
+
+def _measure_offload(memory: MemoryReport, model: nn.Module, optimizer: Any) -> None:
+    """What CPUOffloadPolicy keeps in host memory: each rank's parameter shards, as many
+    bytes of gradient shards, and the optimizer state."""
+    memory.offloaded_shard_bytes = sum(
+        _local(p).numel() * p.element_size() for p in model.parameters()
+    )
+    memory.offloaded_state_bytes = sum(
+        _local(value).numel() * value.element_size() for value in _state_tensors(optimizer)
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,93 @@
+"""A deep model's allocation trace made from a shallow one's (`memory.deepen`), against the deep
+model simulated: the same allocations and frees, in the same order, of the same sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
+from fsdp_bench.memory.alloc_trace import AllocationTrace
+from fsdp_bench.memory.deepen import CannotDeepen, _structure, deepen, grown, growth_per_period
+from fsdp_bench.memory.fake_step import record_step, simulate_step
+from fsdp_bench.memory.pool import in_subprocesses
+from fsdp_bench.memory.simulate import _deepening, _with_layers
+
+DEEP = 12
+
+CONFIGS = {
+    "block": {},
+    "prefetch-2": {"fsdp": FsdpConfig(prefetch=2)},
+    "blocks-2": {"fsdp": FsdpConfig(grouping="blocks:2")},
+    "every-2": {"fsdp": FsdpConfig(activation_checkpointing="every_2")},
+    "selective-op": {"fsdp": FsdpConfig(activation_checkpointing="selective_op")},
+    "all-but-last": {"fsdp": FsdpConfig(reshard_after_forward="all_but_last")},
+    "bf16-reduce": {"fsdp": FsdpConfig(mixed_precision="bf16", reduce_dtype="bf16")},
+    "accumulate-last": {"train": TrainConfig(accumulation_steps=2, grad_sync="last")},
+    "clipped-fused": {"train": TrainConfig(max_grad_norm=1.0, optimizer_impl="fused")},
+    "hsdp": {"strategy": "hsdp", "fsdp": FsdpConfig(shard_group_size=2)},
+    "ddp": {"strategy": "ddp"},  # its buckets hold every block: sizes that grow
+}
+
+
+def _run(name: str) -> RunConfig:
+    return RunConfig(
+        world_size=4,
+        model=ModelConfig(name="small", n_layers=DEEP),
+        data=DataConfig(micro_batch_size=2, seq_len=64),
+        **CONFIGS[name],
+    ).canonical()
+
+
+def _sized(trace: AllocationTrace) -> list[tuple[object, ...]]:
+    sizes = [e[2] if e[0] == "alloc" else 0 for e in trace.events]
+    return list(zip(_structure(trace), sizes, strict=True))
+
+
+def compare(name: str) -> tuple[str, bool, bool]:
+    """(name, same structure, same sizes) of the deep trace made and simulated; top level,
+    for the process pool."""
+    run = _run(name)
+    plan = _deepening(run)
+    assert plan is not None, name
+    small = record_step(_with_layers(run, plan.blocks), "cuda").trace
+    check = record_step(_with_layers(run, plan.blocks + plan.period), "cuda").trace
+    growth = growth_per_period(
+        deepen(small, plan.blocks, plan.blocks + plan.period, *plan.template), check
+    )
+    made = deepen(small, plan.blocks, DEEP, *plan.template)
+    made = grown(made, growth, (DEEP - plan.blocks) // plan.period)
+    simulated = record_step(run, "cuda").trace
+    return name, _structure(made) == _structure(simulated), _sized(made) == _sized(simulated)
+
+
+@pytest.mark.slow
+def test_deepened_traces_are_the_simulated_ones() -> None:
+    results = in_subprocesses(compare, list(CONFIGS), user_code=False)
+    found = {name: (same, sized) for _, (name, same, sized) in results}
+    assert all(same for same, _ in found.values()), found
+    assert all(sized for _, sized in found.values()), found
+
+
+def test_the_trace_gives_the_trackers_peak() -> None:
+    """What the estimate reads from a trace is what the tracker measures (the batch apart,
+    as the tracker leaves it apart), category by category."""
+    run = dataclasses.replace(_run("block"), model=ModelConfig(name="small", n_layers=3))
+    peak, parts = record_step(run, "cuda").trace.live_peak("step")
+    tracked = simulate_step(run, "cuda")
+    assert peak == tracked.peak_bytes
+    for category in ("parameter", "optimizer_state"):
+        assert parts[category] == tracked.breakdown_bytes[category], category
+
+
+def test_a_free_without_its_allocation_refuses_to_deepen() -> None:
+    """Every copy of block 1 frees one allocation made before the blocks: a trace that is
+    not a repetition of its template is refused, never guessed."""
+    trace = AllocationTrace(
+        events=[("alloc", "x", 512, "default"), ("alloc", "a", 512, "default"), ("free", "x")]
+        + [("alloc", f"b{i}", 512, "default") for i in range(3)],
+        tags=[None, 0, 1, 2, 3, 4],
+    )
+    with pytest.raises(CannotDeepen, match="not allocated"):
+        deepen(trace, 5, 7, 1, 1)
