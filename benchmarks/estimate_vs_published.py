@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
 from fsdp_bench.memory.device_memory import Calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_run
 
@@ -66,14 +66,26 @@ class Published:
     """Configuration values the source does not state, filled as described."""
 
 
-def _llama(name: str, world_size: int, seq: int, batch: int, ac: str) -> RunConfig:
+def _llama(
+    name: str, world_size: int, seq: int, batch: int, ac: str, max_grad_norm: float | None = None
+) -> RunConfig:
     return RunConfig(
         world_size=world_size,
         model=ModelConfig(name=name),
         data=DataConfig(seq_len=seq, micro_batch_size=batch),
         fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing=ac,
                         reshard_after_forward="all_but_last"),
+        train=TrainConfig(max_grad_norm=max_grad_norm),
     )  # fmt: skip
+
+
+TITAN_8B = (
+    "local batch 2 (the document's 'Local batch size 2'), seq 8192 (llama3_8b.toml then); "
+    "'selective activation checkpointing' as torchtitan's default mode, per op; bf16 "
+    "parameters with fp32 "
+    f"reduction, gradient norm clipped at 1.0 (torchtitan's defaults); {TORCHTITAN_RESHARD}; "
+    "AdamW foreach (the implementation then is not stated)"
+)
 
 
 ROW_17 = _llama("llama2-7b", 8, 2048, 8, "block")
@@ -86,17 +98,16 @@ FULL_AC_7B = (
 ROWS = [
     Published("torchtitan T1: Llama-3.1-8B, 8 GPUs, FSDP", TORCHTITAN_BENCH,
               "| FSDP | 5,762 | 82.4 |", "reserved", 82.4,
-              missing="selective per-op activation checkpointing",
-              inferred="seq 8192 (llama3_8b.toml then)"),
+              run=_llama("llama3-8b", 8, 8192, 2, "selective_op", 1.0), inferred=TITAN_8B),
     Published("torchtitan T1: + torch.compile", TORCHTITAN_BENCH,
               "| FSDP + torch.compile | 6,667 | 77.0 |", "reserved", 77.0,
-              missing="selective per-op activation checkpointing; compiled runs' memory"),
+              missing="compiled runs' memory (the eager estimate is an upper bound)"),
     Published("torchtitan T1: + compile + float8", TORCHTITAN_BENCH,
               "| FSDP + torch.compile + Float8 | 8,532 | 76.8 |", "reserved", 76.8,
-              missing="selective per-op AC; compiled runs' memory; float8 linears"),
+              missing="compiled runs' memory; float8 linears"),
     Published("torchtitan T3: Llama-3.1-8B, 128 GPUs, FSDP", TORCHTITAN_BENCH,
               "128 GPUs ... | FSDP | 5,605 | 67.0 |", "reserved", 67.0,
-              missing="selective per-op activation checkpointing"),
+              run=_llama("llama3-8b", 128, 8192, 2, "selective_op", 1.0), inferred=TITAN_8B),
     Published("torchtitan T2: 8B, seq 32768, full AC, compile, float8", TORCHTITAN_BENCH,
               "| FSDP 8, CP 1 | 32768 | 3,890 | 83.9 |", "reserved", 83.9,
               missing="compiled runs' memory; float8 linears"),
@@ -105,7 +116,7 @@ ROWS = [
               missing="tensor parallelism; compiled runs' memory; float8 linears"),
     Published("Trainy: Llama-3.1-8B, 32 H200s, compile + float8", TRAINY,
               "| 4 | 10938 | 47.96 |", "reserved", 47.96,
-              missing="selective per-op AC; compiled runs' memory; float8 all-gather"),
+              missing="compiled runs' memory; float8 all-gather"),
     Published("torchtitan PR 165: Llama-7B, 8 GPUs, FSDP1, full AC", PR_165,
               "FSDP1 (AC): 24.81% peak active, 33.82% peak reserved", "reserved", 32.14,
               missing="FSDP1 (the tool runs FSDP2)"),
@@ -126,17 +137,24 @@ ROWS = [
               inferred=f"seq 8192 (llama3_8b.toml then); {TORCHTITAN_RESHARD}; AdamW foreach"),
     Published("torchtitan PR 382: Llama3-8B, 8 GPUs, op SAC, compile, fused AdamW", PR_382,
               "memory: 68.09GiB(71.65%)", "reserved", 68.09,
-              missing="selective per-op AC; compiled runs' memory; fused AdamW"),
+              missing="compiled runs' memory (the eager estimate is an upper bound)"),
     Published("torchao float8 README: Llama3-8B bf16, 8 GPUs, op SAC, compile", TORCHAO,
               "| Llama3-8b | none (bfloat16) | per op SAC | 47.65 |", "reserved", 47.65,
-              missing="selective per-op AC; compiled runs' memory"),
+              missing="compiled runs' memory (the eager estimate is an upper bound)"),
     Published("llama-recipes 120: Llama-2-70B, 16 A100s, FSDP1 pure bf16", LLAMA_RECIPES,
               "42 GB allocated, 63 GB reserved", "reserved", 63.0,
-              missing="FSDP1; bf16 storage (no fp32 master weights)"),
+              missing="FSDP1 (the tool runs FSDP2)"),
     Published("lightning-thunder PR 940: Llama-2-7B, 8 H100s, FSDP2 eager", THUNDER_940,
               "| eager | N/A (FSDP2) | 9325.13 | 47.45 |", "allocated", 47.45e9 / 2**30,
-              missing="bf16 storage (no fp32 master weights); fused AdamW",
-              inferred="seq 4096, no AC, reshard_after_forward false (the harness's defaults)"),
+              run=RunConfig(
+                  world_size=8,
+                  model=ModelConfig(name="llama2-7b", dtype="bf16"),
+                  data=DataConfig(seq_len=4096, micro_batch_size=1),
+                  fsdp=FsdpConfig(mixed_precision="bf16", reshard_after_forward=False),
+                  train=TrainConfig(optimizer_impl="fused"),
+              ),
+              inferred="seq 4096, batch 1, no AC, reshard_after_forward false (the harness's "
+                       "defaults); bf16 storage with fused AdamW"),
     Published("torchtune README: Llama 3.1 70B full finetune, 8 A100s", TORCHTUNE,
               "| Llama 3.1 70B | Full finetune | 8x A100 | 13.9 GiB ** |", "unknown", 13.9,
               missing="CPU offload with the optimizer in backward; compiled runs' memory"),
