@@ -79,10 +79,11 @@ class AllocationTrace:
                 model.free(event[1])
         return model
 
-    @property
-    def live_peak_bytes(self) -> int:
-        """The most bytes alive at once, as requested (no rounding, no workspaces)."""
-        return self.live_peak()[0]
+    def allocator_peaks(self, *, expandable: bool = False) -> tuple[int, int]:
+        """(peak allocated, peak reserved) bytes of the replay: what max_memory_allocated
+        (blocks as booked, cuBLAS's workspaces) and max_memory_reserved (segments) will say."""
+        stats = self.replay(expandable=expandable).stats
+        return stats.peak_allocated_bytes, stats.peak_reserved_bytes
 
     def live_peak(
         self, since: str | None = None, *, with_inputs: bool = False

@@ -71,8 +71,10 @@ def _structure(trace: AllocationTrace) -> list[tuple[Any, ...]]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Run:
+    """Consecutive events of one block: its tag and their positions in the trace."""
+
     tag: int
     positions: list[int]
 

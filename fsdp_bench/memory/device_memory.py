@@ -83,6 +83,12 @@ class Calibration:
     reserve_ratios: dict[tuple[str, bool], list[float]] = field(default_factory=dict)
     outside_gaps_gib: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
+    @property
+    def measured_compiled(self) -> bool:
+        """Compiled CUDA runs have been measured: their own reserve ratio corrects the eager
+        estimate, which is then no longer only an upper bound."""
+        return any(compiled for _, compiled in self.reserve_ratios)
+
     def reserve_factor(self, compiled: bool = False) -> tuple[float, str]:
         ratios = [r for (_, kind), r in self.reserve_ratios.items() if kind == compiled]
         if not ratios:
@@ -191,7 +197,7 @@ def predict(
         reserved + outside,
         terms,
         {"reserved": reserve_source, "outside": outside_source},
-        compiled and reserve_source.startswith("eager"),
+        compiled and not known.measured_compiled,
     )
 
 

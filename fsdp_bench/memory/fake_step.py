@@ -56,12 +56,8 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
                 _measure_offload(memory, model, optimizer)
     if recorder is None:  # not on CUDA: no caching allocator to model
         return SimulatedStep(**vars(memory))
-    allocator = recorder.trace.replay(expandable=run.train.expandable_segments).stats
-    return SimulatedStep(
-        **vars(memory),
-        allocated_bytes=allocator.peak_allocated_bytes,
-        reserved_bytes=allocator.peak_reserved_bytes,
-    )
+    allocated, reserved = recorder.trace.allocator_peaks(expandable=run.train.expandable_segments)
+    return SimulatedStep(**vars(memory), allocated_bytes=allocated, reserved_bytes=reserved)
 
 
 @dataclass
@@ -81,12 +77,11 @@ def record_step(run: RunConfig, device_type: str = "cpu") -> RecordedStep:
         context = BlockContext(bundle.blocks)
         with fake_tensors(), recording(context) as recorder:
             optimizer, batches = _set_up(model, bundle, run, device, recorder)
-            grads = lambda: [p.grad for p in model.parameters() if p.grad is not None]  # noqa: E731
 
             @contextlib.contextmanager
             def phase(name: str) -> Iterator[None]:
-                if name == "optimizer":
-                    recorder.classify(grads(), "gradient")
+                if name == "optimizer":  # the list not kept: zero_grad frees them
+                    recorder.classify([p.grad for p in model.parameters()], "gradient")
                 with context.mark(name):
                     yield
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport
-from fsdp_bench.memory.alloc_trace import AllocationTrace
 from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period
 from fsdp_bench.memory.fake_step import SimulatedStep, record_step, simulate_step
 
@@ -105,9 +104,8 @@ def simulate(
     # The allocator's figures are not straight lines in the blocks (a segment is added
     # whenever the cached ones no longer fit, every 10-12 blocks of Llama-2-7B): they come from
     # the whole model's allocations, recorded in steps without the tracker.
-    allocator = (0, 0)
-    if device_type == "cuda":
-        allocator = _allocator_peaks(record_step(run, device_type).trace, run)
+    whole = record_step(run, device_type).trace if device_type == "cuda" else None
+    allocator = whole.allocator_peaks(expandable=run.train.expandable_segments) if whole else (0, 0)
     return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded, allocator)
 
 
@@ -160,18 +158,14 @@ def _deepened(
     deep = deepen(small.trace, plan.blocks, plan.target, *plan.template)
     deep = grown(deep, growth, (plan.target - plan.blocks) // plan.period)
     peak, breakdown = deep.live_peak("step", with_inputs=run.strategy == "ddp")
-    allocator = _allocator_peaks(deep, run) if device_type == "cuda" else (0, 0)
+    cuda = device_type == "cuda"
+    allocator = deep.allocator_peaks(expandable=run.train.expandable_segments) if cuda else (0, 0)
     periods = (plan.target - plan.blocks) // plan.period
     (shard_a, state_a), (shard_b, state_b) = small.offloaded, check.offloaded
     offloaded = (shard_a + (shard_b - shard_a) * periods, state_a + (state_b - state_a) * periods)
     method = f"deepened from {plan.blocks} blocks (checked at {plan.blocks + plan.period})"
     wall_s = time.perf_counter() - start
     return _on_device(peak, breakdown, method, wall_s, offloaded, allocator)
-
-
-def _allocator_peaks(trace: AllocationTrace, run: RunConfig) -> tuple[int, int]:
-    stats = trace.replay(expandable=run.train.expandable_segments).stats
-    return stats.peak_allocated_bytes, stats.peak_reserved_bytes
 
 
 def _on_device(
