@@ -32,7 +32,7 @@ process imports torch and starts CUDA, ~10 s):
   precision), in bf16, with CPU offload, and the DDP baseline;
 - failures (30 s): an injected OOM recorded `oom`; two equal runs in one job, the same peak;
 - harness (40 s): fsdp-bench's step time against a bare FSDP2 loop, same processes;
-- timer (35 s): the worker's event-timed steps against per-step synchronize + perf_counter;
+- timer (35 s): the worker's event-timed steps against the wall clock around them;
 - step_breakdown (50 s): forward / backward / optimizer by CUDA events and exposed
   communication, Llama-3-1B, root against block grouping; Distributed Checkpoint save and load
   on `small`, the restore checked; the kept trace read back;
@@ -83,11 +83,14 @@ ONE_GPU_LIMITS = (
 )
 HARNESS_TARGET = 1.02
 """fsdp-bench's step time over a bare loop's, at most (benchmarks/harness_overhead.py)."""
-TIMER_BOUNDS = (0.97, 1.10)
-"""Per-step synchronize + perf_counter over the worker's event timing of the same steps:
-the wall clock adds each step's launch of its first kernel and the synchronisation, a few
-tenths of a percent of a Llama-3-1B step; events that missed the step's work would make the
-ratio far larger, a timer that counted idle time far smaller."""
+TIMER_BOUNDS = (0.99, 1.05)
+"""The wall clock around a repeat of back-to-back steps, synchronised at both ends, over the
+sum of the worker's event timings of those steps: the wall clock adds the barrier before the
+first event and the last synchronisation, well under a percent of five Llama-3-1B steps; it
+cannot be shorter. Events that missed the steps' work (recorded on another stream, say) make
+the ratio far larger. (A per-step synchronised clock is no reference: it lets the GPU idle
+while the CPU starts each step, a cost training does not pay; on the H200 it read 16% above
+the events, `timing.time_repeat`. It is reported beside, for information.)"""
 TWIN_TOLERANCE_GIB = 2**-10
 """Two equal runs in one job: peaks within a MiB (the allocator rounds to 512 bytes)."""
 
@@ -366,8 +369,8 @@ def harness(check: Check) -> dict[str, Any]:
 
 
 def timer(check: Check) -> dict[str, Any]:
-    """The worker's event timing (`timing.time_repeat`) against a per-step synchronize +
-    perf_counter over the same step, interleaved (one GPU)."""
+    """The worker's event timing (`timing.time_repeat`) against the wall clock around the
+    same steps (one GPU)."""
     if not check.on_gpu:
         return {"not_applicable": "CUDA events need a GPU"}
     import submitit
@@ -380,8 +383,8 @@ def timer(check: Check) -> dict[str, Any]:
 
 def timer_verdict(result: dict[str, Any]) -> dict[str, Any]:
     low, high = TIMER_BOUNDS
-    expect(result, f"wall clock over events between {low} and {high}",
-           low <= result["ratio_of_medians"] <= high)  # fmt: skip
+    expect(result, f"wall clock around the repeats over their events between {low} and {high}",
+           low <= result["wall_over_events"] <= high)  # fmt: skip
     return result
 
 
@@ -392,22 +395,31 @@ def compare_timers(
     steps: int = 5,
     repeats: int = 3,
 ) -> dict[str, Any]:
-    """`time_repeat(step, steps)` (the worker's timing) against each step between two
-    synchronisations by perf_counter, interleaved repeat by repeat."""
+    """`time_repeat(step, steps)` (the worker's timing) against perf_counter around it,
+    synchronised at both ends; then, interleaved, each step between two synchronisations
+    (for information: `TIMER_BOUNDS`)."""
     events_s: list[float] = []
     wall_s: list[float] = []
+    synchronized_s: list[float] = []
     for _ in range(repeats):
-        events_s += time_repeat(step, steps)
+        synchronize()
+        began = time.perf_counter()
+        events_s.append(sum(time_repeat(step, steps)))
+        synchronize()
+        wall_s.append(time.perf_counter() - began)
         for _ in range(steps):
             synchronize()
             began = time.perf_counter()
             step()
             synchronize()
-            wall_s.append(time.perf_counter() - began)
+            synchronized_s.append(time.perf_counter() - began)
+    mean_step_s = sum(events_s) / (steps * repeats)
     return {
-        "events_s": events_s,
-        "perf_counter_s": wall_s,
-        "ratio_of_medians": statistics.median(wall_s) / statistics.median(events_s),
+        "repeat_events_s": events_s,
+        "repeat_wall_s": wall_s,
+        "wall_over_events": sum(wall_s) / sum(events_s),
+        "per_step_synchronized_s": synchronized_s,
+        "per_step_synchronized_over_events": statistics.median(synchronized_s) / mean_step_s,
     }
 
 

@@ -8,13 +8,9 @@ use, so `import fsdp_bench` (done by every rank's worker) stays light.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = version("fsdp-bench")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+from fsdp_bench._version import __version__
 
 if TYPE_CHECKING:
     from fsdp_bench.config import expand as expand

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -104,21 +105,31 @@ def test_the_gpu_check_runs_on_cpu_and_every_part_passes(tmp_path: Path) -> None
 def test_the_timer_check_holds_for_the_workers_timing_and_fails_one_that_misses_the_work(
     one_rank_group: None,
 ) -> None:
-    """The worker's own timing (`timing.time_repeat`) against per-step synchronise +
-    perf_counter over the same step: equal within the bounds; a timer that saw only the
-    step's launch (events not waiting for its work) is far outside them."""
+    """The worker's own timing (`timing.time_repeat`) against the wall clock around the same
+    steps, synchronised at both ends: equal within the bounds. A timer that saw only the
+    steps' launch (events on a stream the work does not run on) is far outside them: here
+    the work runs in threads, as on a GPU behind the CPU, which the synchronisation joins."""
     check = gpu_check_module()
     cpu = torch.device("cpu")
+    queued: list[threading.Thread] = []
 
     def step() -> None:
-        time.sleep(0.02)
+        time.sleep(0.05)
 
     def honest(step: Any, steps: int) -> list[float]:
         return list(time_repeat(step, steps, cpu))
 
     def launch_only(step: Any, steps: int) -> list[float]:
-        return list(time_repeat(lambda: None, steps, cpu))
+        def launch() -> None:
+            queued.append(threading.Thread(target=step))
+            queued[-1].start()
+
+        return list(time_repeat(launch, steps, cpu))
+
+    def synchronize() -> None:
+        while queued:
+            queued.pop().join()
 
     for timer, holds in ((honest, True), (launch_only, False)):
-        found = check.timer_verdict(check.compare_timers(step, timer, lambda: None, 3, 2))
-        assert list(found["expectations"].values()) == [holds], found["ratio_of_medians"]
+        found = check.timer_verdict(check.compare_timers(step, timer, synchronize, 3, 2))
+        assert list(found["expectations"].values()) == [holds], found["wall_over_events"]

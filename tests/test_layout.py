@@ -20,6 +20,7 @@ ROOT = REPO / PACKAGE
 # Lower layers never import higher ones. A module's layer is that of the longest prefix here
 # that names it or a package above it.
 LAYERS = {
+    "fsdp_bench._version": 0,
     "fsdp_bench.errors": 0,
     "fsdp_bench.config": 1,
     "fsdp_bench.store": 2,
@@ -211,6 +212,14 @@ def _under(name: str, prefix: str) -> bool:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_module_imports_the_top_level_package() -> None:
+    """`fsdp_bench/__init__.py` is the public API: a module importing its names (once
+    `__version__`) would run the layers backwards; they import the leaf modules instead."""
+    importers = sorted(m for m, targets in import_graph().items()
+                       if PACKAGE in targets and m not in EXEMPT)  # fmt: skip
+    assert not importers
 
 
 def test_imports_follow_the_layers() -> None:

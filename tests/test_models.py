@@ -128,3 +128,31 @@ def test_tied_weights_stay_one_parameter(mesh: DeviceMesh, grouping: str) -> Non
     loss_fn(model(inputs), targets).backward()
     assert model.output.weight is model.tok_embeddings.weight
     assert model.tok_embeddings.weight.grad is not None
+
+
+def test_cpu_offload_materialises_shards_on_the_host_and_buffers_where_they_compute(
+    mesh: DeviceMesh,
+) -> None:
+    """FSDP2's CPU offload refuses, at the first forward, shards not on the host (the H200
+    check's offload run failed so); buffers must stay on the compute device, with their
+    values. The meta device stands in for the GPU here, the host being this machine's CPU."""
+    from fsdp_bench.job.models import parameters_on_meta
+    from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+
+    run = RunConfig(model=ModelConfig(name="tiny"), fsdp=FsdpConfig(cpu_offload=True))
+    model, _ = wrap_on_meta(build_model(run.model, "cpu"), run, mesh, torch.device("cpu"))
+    materialize(model, torch.device("meta"), params_on_host=True)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+    def with_buffers() -> torch.nn.Module:
+        with parameters_on_meta():
+            module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        module[1].running_mean.fill_(3.0)
+        return module
+
+    module = with_buffers()
+    materialize(module, torch.device("meta"), params_on_host=True)
+    assert {p.device.type for p in module.parameters()} == {"cpu"}
+    assert {b.device.type for b in module.buffers()} == {"meta"}
+    materialize(module := with_buffers(), torch.device("cpu"))
+    assert torch.equal(module[1].running_mean, torch.full((4,), 3.0))

@@ -59,7 +59,7 @@ def parallelize(
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
     model, plan = wrap_on_meta(bundle, run, mesh, device, compile_modules=True)
-    materialize(model, device)
+    materialize(model, device, params_on_host=run.fsdp.cpu_offload)
     initialize(bundle, model)
     if run.strategy == "ddp":
         # Stock DDP as users run it: the C++ reducer (its all-reduces pass through the
@@ -279,8 +279,10 @@ def _compile(bundle: ModelBundle, scope: str) -> None:
         module.compile()
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate the parameters on `device`, tied ones still tied, buffers keeping their values.
+def materialize(module: nn.Module, device: torch.device, params_on_host: bool = False) -> None:
+    """Allocate the parameters on `device` (on the host with `params_on_host`: FSDP2's CPU
+    offload requires its shards there before the first forward, as torchtitan materialises
+    them), tied ones still tied; buffers keep their values, on `device`, where they compute.
 
     FSDP2 keeps shared parameters shared through `to_empty`; a plain module does not. Buffers
     were built for real (`models.parameters_on_meta`): `to_empty` would leave them garbage."""
@@ -290,13 +292,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         for name, buffer in owner.named_buffers(recurse=False)
         if buffer.device.type != "meta"
     ]
+    params_device = torch.device("cpu") if params_on_host else device
     if isinstance(module, FSDPModule):
-        module.to_empty(device=device)
+        module.to_empty(device=params_device)
     else:
-        _to_empty_keeping_ties(module, device)
-    with torch.no_grad():
-        for owner, name, buffer in buffers:
-            owner._buffers[name].copy_(buffer)  # type: ignore[union-attr]
+        _to_empty_keeping_ties(module, params_device)
+    for owner, name, buffer in buffers:
+        owner._buffers[name] = buffer.to(device, copy=True)
 
 
 def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_bench import __version__
+from fsdp_bench._version import __version__
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.flops import peak_flops

@@ -89,11 +89,11 @@ def _kept_grad_hooks() -> Iterator[None]:
         handles.append(handle)
         return handle
 
-    mod_tracker.register_multi_grad_hook = keeping  # type: ignore[assignment]
+    mod_tracker.register_multi_grad_hook = keeping
     try:
         yield
     finally:
-        mod_tracker.register_multi_grad_hook = register  # type: ignore[assignment]
+        mod_tracker.register_multi_grad_hook = register
         for handle in handles:
             handle.remove()
 

@@ -21,18 +21,21 @@ from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.store import EstimatedPeaks, ResultStore
 
-CUDA_CONTEXT_GIB = 0.5
-"""The CUDA context with lazily loaded kernel modules (CUDA >= 11.7, torch's default): 287 MB
-right after the first tensor (pytorch/pytorch#86509, measured with CUDA_MODULE_LOADING=LAZY),
-"around 400MB" (pytorch/pytorch#109888); it grows as a training step loads cuBLAS, attention
-and NCCL kernels."""
+CUDA_CONTEXT_GIB = 0.75
+"""The CUDA context with lazily loaded kernel modules (CUDA >= 11.7, torch's default), once a
+training step has loaded its kernels (cuBLAS, attention, NCCL's). Measured on an H200 (torch
+2.11+cu130, driver 580; benchmarks/results/2026-12-04-h200-gpu-check.md): 0.61 GiB right after
+the first tensor, and device-used minus peak reserved during the steps of 8 world-size-1 runs
+1.29-1.31 GiB, of which NCCL's default group 0.545: about 0.75. Elsewhere 287 MB right after
+the first tensor (pytorch/pytorch#86509), "around 400MB" (pytorch/pytorch#109888)."""
 
-NCCL_COMMUNICATOR_GIB = 0.5
-"""Device buffers of one NCCL communicator of two ranks or more: per channel, a ring's two
-connections each hold the Simple (4 MiB, NCCL_BUFFSIZE), LL128 (~4.7 MiB) and LL (0.5 MiB)
-protocol buffers, ~10 MiB once rounded to cuMem granularity (NCCL src/init.cc,
-src/include/device.h), and NCCL uses 16-32 channels between NVLink-connected GPUs: 0.3-0.6 GiB;
-measured 544-688 MB per process group on 4 A100s (an NVIDIA/nccl issue). NVLS buffers
+NCCL_COMMUNICATOR_GIB = 0.55
+"""Device memory of one NCCL communicator: per channel, a ring's two connections each hold the
+Simple (4 MiB, NCCL_BUFFSIZE), LL128 (~4.7 MiB) and LL (0.5 MiB) protocol buffers, ~10 MiB once
+rounded to cuMem granularity (NCCL src/init.cc, src/include/device.h), and NCCL uses 16-32
+channels between NVLink-connected GPUs: 0.3-0.6 GiB; measured 544-688 MB per process group on
+4 A100s (an NVIDIA/nccl issue), and 0.545 GiB for the default group of ONE rank on an H200
+(NCCL 2.28.9, after its first all-reduce: the GPU check's environment part). NVLS buffers
 (H100/H200 NVSwitch nodes, ~0.25 GiB more) and tree connections are not counted. Created on
 first use of a connection (NCCL_RUNTIME_CONNECT=1)."""
 
@@ -47,7 +50,8 @@ def communicators(run: RunConfig) -> list[int]:
     """The sizes of the NCCL communicators a rank of the run's job uses: the default group
     (the job's own collectives; FSDP's 1-D mesh and DDP use it too), HSDP's shard and
     replicate groups, and the post-forward mesh of an integer `reshard_after_forward`
-    (one per job). Groups of one rank hold no buffers and are left out."""
+    (one per job). The default group counts at any size (one rank's held 0.545 GiB on an
+    H200); further groups of one rank issue no collectives and are left out."""
     sizes = [run.world_size]
     shard = run.shard_group_size
     if run.strategy == "hsdp":
@@ -55,7 +59,7 @@ def communicators(run: RunConfig) -> list[int]:
     reshard = run.fsdp.reshard_after_forward
     if run.strategy != "ddp" and type(reshard) is int and 1 < reshard < shard:
         sizes.append(reshard)
-    return [size for size in sizes if size > 1]
+    return sizes[:1] + [size for size in sizes[1:] if size > 1]
 
 
 def outside_terms_gib(run: RunConfig, device_type: str) -> dict[str, float]:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_bench import __version__
+from fsdp_bench._version import __version__
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory.analytic import analytic_estimate
@@ -29,7 +29,7 @@ from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-7"
+CACHE_VERSION = f"{__version__}/estimator-8"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
