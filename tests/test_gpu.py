@@ -46,7 +46,8 @@ def test_cuda_run_reports_allocator_peaks_and_mfu(tmp_path: Path) -> None:
     assert (df.parity_fp32_matmul == df.fp32_matmul.map(want)).all()
     assert (df.mfu > 0).all() and (df.mfu < 1).all() and df.peak_flops_source.notna().all()
     assert (df.sdpa_backend != "MATH").all(), df[["mixed_precision", "sdpa_backend"]]
-    assert (df.allocated_at_start_gib < 0.01).all()  # nothing of an earlier run survived
+    # nothing of an earlier run survives but cuBLAS's two 32 MiB workspaces (H200: 0.0625 GiB)
+    assert (df.allocated_at_start_gib <= 0.0625 + 0.001).all(), df.allocated_at_start_gib
     assert df.parity_ok.all()
     offload = df[df.cpu_offload & (df.strategy == "fsdp")].iloc[0]
     resident = df[~df.cpu_offload & (df.strategy == "fsdp") & (df.mixed_precision == "fp32")].iloc[
