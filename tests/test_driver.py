@@ -88,6 +88,10 @@ def test_runs_are_packed_by_shape_and_spread_over_the_slots() -> None:
     assert [len(p) for p in slurm] == [3, 2, 3, 2]
     one_each = pack_runs(runs, LauncherConfig(kind="slurm", max_runs_per_job=1))
     assert len(one_each) == 10
+    ddp = [RunConfig(strategy="ddp", data=DataConfig(seed=s)) for s in range(2)]
+    assert [len(p) for p in pack_runs([*runs[:5], *ddp], LauncherConfig(device="cpu"))] == [7]
+    on_gpus = pack_runs([*runs[:5], *ddp], LauncherConfig(device="cuda"))
+    assert [[r.strategy for r in p] for p in on_gpus] == [["ddp"], ["ddp"], ["fsdp"] * 5]
 
 
 def test_ledger_survives_a_restart(tmp_path: Path) -> None:

@@ -223,8 +223,8 @@ def test_a_run_leaves_nothing_alive_for_the_next_run_of_its_job(
     built: list[weakref.ref[torch.Tensor]] = []
     materialize = parallelize.materialize
 
-    def watched(module: torch.nn.Module, device: torch.device) -> None:
-        materialize(module, device)
+    def watched(module: torch.nn.Module, device: torch.device, **options: bool) -> None:
+        materialize(module, device, **options)
         built.append(weakref.ref(next(module.parameters())))
 
     monkeypatch.setattr(parallelize, "materialize", watched)
@@ -241,5 +241,5 @@ def test_a_run_leaves_nothing_alive_for_the_next_run_of_its_job(
         worker.execute_run(run, context)
         context.profiles.clear()  # as `_record` does once the run is recorded
         worker.release(context.device)
-        assert len(built) == 3  # parity's reference and sharded copy, then the run's model
+        assert len(built) == 3  # the run's model, then parity's reference and sharded copy
         assert [ref() is None for ref in built] == [True] * 3, ac

@@ -278,14 +278,25 @@ def _record(run: RunConfig, job: JobSpec, context: JobContext, passes: list[Meas
 
 def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) -> RankOutcome:
     """Build, shard, warm up, profile one step (collectives, memory), time. Every rank.
-    In a run's first pass only (`measure.rounds`): the parity check first (`--verify`) and
-    the checkpoint's cost last (`measure.checkpoint`)."""
-    device, rank = context.device, context.info.rank
+    In a run's first pass only (`measure.rounds`): the checkpoint's cost last and then, once
+    the run is released, the parity check (`--verify`), so that nothing the check leaves
+    enters the run's figures (DDP's reducer leaves its buckets allocated on CUDA:
+    `launch.driver.pack_runs`) and the check has the device to itself."""
+    set_fp32_matmul(run, context.device)  # the parity check must run as the run does
+    set_allocator(run, context.device)
     mesh = context.mesh(run.mesh_shape)
-    set_fp32_matmul(run, device)  # before the parity check too: it must run as the run does
-    set_allocator(run, device)
-    parity = _verify(run, mesh, context) if context.verify and first_pass else None
+    outcome = _measure_run(run, context, mesh, first_pass)
+    if context.verify and first_pass:
+        release(context.device)
+        outcome.parity = _verify(run, mesh, context)
+    return outcome
 
+
+def _measure_run(
+    run: RunConfig, context: JobContext, mesh: DeviceMesh, first_pass: bool
+) -> RankOutcome:
+    """`execute_run` but the parity check."""
+    device, rank = context.device, context.info.rank
     on_cuda = device.type == "cuda"
     gpu, pids = context.gpu_uuid, context.run_pids
     load_start = sample("start", context.info.local_rank, pids, gpu)  # the ranks sleep in it
@@ -332,7 +343,6 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
         allocated_at_start_bytes=allocated_at_start,
         device_used_at_init_bytes=context.device_used_at_init_bytes,
         sdpa_backend=sdpa_backend(run, device),
-        parity=parity,
         load=[load_start, load_end],
         checkpoint=saved,
     )
