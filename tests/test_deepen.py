@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.memory.alloc_trace import AllocationTrace
-from fsdp_bench.memory.deepen import CannotDeepen, _structure, deepen, grown, growth_per_period
+from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period, structure
 from fsdp_bench.memory.fake_step import record_step, simulate_step
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.simulate import _deepening, _with_layers
@@ -18,6 +18,8 @@ DEEP = 12
 
 CONFIGS = {
     "block": {},
+    "root": {"fsdp": FsdpConfig(grouping="root")},  # its all-gather holds every block
+    "bf16": {"fsdp": FsdpConfig(mixed_precision="bf16")},
     "prefetch-2": {"fsdp": FsdpConfig(prefetch=2)},
     "blocks-2": {"fsdp": FsdpConfig(grouping="blocks:2")},
     "every-2": {"fsdp": FsdpConfig(activation_checkpointing="every_2")},
@@ -42,7 +44,7 @@ def _run(name: str) -> RunConfig:
 
 def _sized(trace: AllocationTrace) -> list[tuple[object, ...]]:
     sizes = [e[2] if e[0] == "alloc" else 0 for e in trace.events]
-    return list(zip(_structure(trace), sizes, strict=True))
+    return list(zip(structure(trace), sizes, strict=True))
 
 
 def compare(name: str) -> tuple[str, bool, bool]:
@@ -59,7 +61,7 @@ def compare(name: str) -> tuple[str, bool, bool]:
     made = deepen(small, plan.blocks, DEEP, *plan.template)
     made = grown(made, growth, (DEEP - plan.blocks) // plan.period)
     simulated = record_step(run, "cuda").trace
-    return name, _structure(made) == _structure(simulated), _sized(made) == _sized(simulated)
+    return name, structure(made) == structure(simulated), _sized(made) == _sized(simulated)
 
 
 @pytest.mark.slow
@@ -91,3 +93,20 @@ def test_a_free_without_its_allocation_refuses_to_deepen() -> None:
     )
     with pytest.raises(CannotDeepen, match="not allocated"):
         deepen(trace, 5, 7, 1, 1)
+
+
+@pytest.mark.slow
+def test_runs_alike_but_for_world_size_share_one_check_and_keep_their_own_figures() -> None:
+    """The one-period check of the first run stands for runs whose traces deepen into the same
+    events (`simulate_alike`); each still gets its own figures, equal to those of a run
+    checked alone."""
+    from fsdp_bench.memory.simulate import simulate, simulate_alike
+
+    runs = [dataclasses.replace(_run("block"), world_size=w) for w in (2, 4, 8)]
+    shared = simulate_alike(runs, device_type="cuda")
+    alone = [simulate(run, device_type="cuda") for run in runs]
+    assert ["ranks" in s.method for s in shared] == [False, True, True], [s.method for s in shared]
+    figures = [[(s.peak_bytes, s.allocated_bytes, s.reserved_bytes) for s in found]
+               for found in (shared, alone)]  # fmt: skip
+    assert figures[0] == figures[1]
+    assert len({peak for peak, _, _ in figures[0]}) == 3  # the shards' sizes differ

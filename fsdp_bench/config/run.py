@@ -280,6 +280,15 @@ class RunConfig:
         return dataclasses.replace(self, fsdp=FsdpConfig(**kept))
 
 
+def alike_key(run: RunConfig) -> str:
+    """The run's settings but its world size: runs with one key make the same allocations
+    in the same order, the sizes of shards apart, which lets them share a simulation's check
+    (`memory.simulate.simulate_alike`)."""
+    fields = non_default_fields(run)
+    fields.pop("world_size", None)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
 def canonical_grouping(value: object) -> str:
     """Validate a grouping and give its one string form (`modules:` + patterns for lists)."""
     if isinstance(value, (list, tuple)):

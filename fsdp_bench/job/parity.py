@@ -12,15 +12,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.errors import one_line
+from fsdp_bench.job.failures import classify
 from fsdp_bench.job.models import build_model
 from fsdp_bench.job.parallelize import materialize, parallelize
+from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.training import (
     autocast_dtype,
     clip_gradients,
@@ -28,7 +33,9 @@ from fsdp_bench.job.training import (
     fp32_matmul_precision,
     global_micro_batch,
     rank_batches,
+    release,
 )
+from fsdp_bench.job.watchdog import Watchdog
 
 # fp32: the seed's (rtol, atol), elementwise (measured differences were about 6e-9 for
 # gradients, 1.2e-7 after SGD). bf16 compute against the fp32 reference: the relative L2 error
@@ -238,3 +245,38 @@ def _plain_name(name: str) -> str:
     """Parameter names without wrapper prefixes (activation checkpointing, DDP)."""
     name = name.replace("_checkpoint_wrapped_module.", "")
     return name[len("module.") :] if name.startswith("module.") else name
+
+
+def verify_on_every_rank(
+    run: RunConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    info: RankInfo,
+    watchdog: Watchdog | None = None,
+    allowance_s: float = 0.0,
+) -> dict[str, Any]:
+    """The parity check of a run (on a scaled-down copy for large models), as plain data. Its
+    own failure (an error, an OOM of the reference) is reported in the record, never the
+    run's status: every rank learns whether any rank's check failed. `watchdog` is armed for
+    `allowance_s` meanwhile."""
+    checked, scope = verification_run(run)
+    if watchdog is not None:
+        watchdog.arm("the parity check", allowance_s)
+    report = None
+    try:
+        report = check_parity(checked, mesh, device, info.rank)
+        failure = ""
+    except Exception as err:  # reported, not raised: see the docstring
+        failure = f"rank {info.rank}: {classify(err)}: {one_line(err, 300)}"
+    release(device)
+    failures: list[str | None] = [None] * info.world_size
+    dist.all_gather_object(failures, failure)
+    if watchdog is not None:
+        watchdog.disarm()
+    failed = [f for f in failures if f]
+    if failed or report is None:
+        detail = "the parity check itself failed (the run is still timed): " + "; ".join(failed)
+        report = ParityReport(None, None, None, detail)
+    if report.dropout_off:
+        scope += "; dropout off"
+    return dataclasses.asdict(dataclasses.replace(report, scope=scope))

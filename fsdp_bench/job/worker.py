@@ -13,7 +13,6 @@ Imports: torch and submitit only (no optuna, pandas or seaborn), so what runs on
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import shutil
 import time
@@ -27,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.errors import one_line
 from fsdp_bench.job.checkpoint import checkpoint_cost
 from fsdp_bench.job.failures import (
     classify,
@@ -41,7 +39,7 @@ from fsdp_bench.job.load import run_pids, sample
 from fsdp_bench.job.measure import StepProfile, profile_once, profile_step
 from fsdp_bench.job.models import build_model, check_initialised, sdpa_backend
 from fsdp_bench.job.parallelize import ShardPlan, parallelize
-from fsdp_bench.job.parity import ParityReport, check_parity, verification_run
+from fsdp_bench.job.parity import verify_on_every_rank
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result, pool_passes
 from fsdp_bench.job.rendezvous import (
     RankInfo,
@@ -288,7 +286,10 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     outcome = _measure_run(run, context, mesh, first_pass)
     if context.verify and first_pass:
         release(context.device)
-        outcome.parity = _verify(run, mesh, context)
+        allowance_s = context.collective_timeout_s + GRACE_S
+        outcome.parity = verify_on_every_rank(
+            run, mesh, context.device, context.info, context.watchdog, allowance_s
+        )
     return outcome
 
 
@@ -374,33 +375,6 @@ def _outcome(
         timeline=asdict(profile.timeline) if profile.timeline else None,
         **extra,
     )
-
-
-def _verify(run: RunConfig, mesh: DeviceMesh, context: JobContext) -> dict[str, Any]:
-    """The parity check (on a scaled-down copy for large models), as plain data. Its own
-    failure (an error, an OOM of the reference) is reported in the record, never the run's
-    status: every rank learns whether any rank's check failed."""
-    checked, scope = verification_run(run)
-    if context.watchdog is not None:
-        context.watchdog.arm("the parity check", context.collective_timeout_s + GRACE_S)
-    report = None
-    try:
-        report = check_parity(checked, mesh, context.device, context.info.rank)
-        failure = ""
-    except Exception as err:  # reported, not raised: see the docstring
-        failure = f"rank {context.info.rank}: {classify(err)}: {one_line(err, 300)}"
-    release(context.device)
-    failures: list[str | None] = [None] * context.info.world_size
-    dist.all_gather_object(failures, failure)
-    if context.watchdog is not None:
-        context.watchdog.disarm()
-    failed = [f for f in failures if f]
-    if failed or report is None:
-        detail = "the parity check itself failed (the run is still timed): " + "; ".join(failed)
-        report = ParityReport(None, None, None, detail)
-    if report.dropout_off:
-        scope += "; dropout off"
-    return asdict(dataclasses.replace(report, scope=scope))
 
 
 def _already_recorded(run: RunConfig, context: JobContext) -> bool:

@@ -20,7 +20,7 @@ from the k-block one too and compares it with a simulated one before trusting th
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_bench.memory.alloc_trace import AllocationTrace
@@ -36,7 +36,7 @@ def growth_per_period(made: AllocationTrace, simulated: AllocationTrace) -> dict
     period) against `simulated` (that depth simulated), which must be the same sequence of
     allocations and frees on the same streams. Most sizes do not grow; those that do hold
     every block (a root group's all-gather, DDP's buckets, the stacked norms of clipping)."""
-    if _structure(made) != _structure(simulated):
+    if structure(made) != structure(simulated):
         raise CannotDeepen("the deepened trace is not the simulated one")
     growth: dict[int, int] = {}
     for source, mine, theirs in zip(made.sources, made.events, simulated.events, strict=True):
@@ -58,16 +58,23 @@ def grown(made: AllocationTrace, growth: dict[int, int], periods: int) -> Alloca
     return AllocationTrace(events, made.tags, made.categories, made.marks, made.sources)
 
 
-def _structure(trace: AllocationTrace) -> list[tuple[Any, ...]]:
-    """The trace without sizes or keys: allocations by stream, frees by which allocation."""
+def structure(trace: AllocationTrace) -> list[tuple[Any, ...]]:
+    """The trace without sizes or keys: allocations by stream, frees by which allocation,
+    those made one after another in the order of their allocations (what was freed at once
+    can be freed in any order: a cache cleared iterates a hash table; the allocator ends in
+    the same state either way)."""
     number: dict[Any, int] = {}
     out: list[tuple[Any, ...]] = []
-    for event in trace.events:
+    frees: list[int] = []
+    for event in [*trace.events, ("end",)]:
+        if event[0] == "free":
+            frees.append(number.get(event[1], -1))
+            continue
+        out.extend(("free", n) for n in sorted(frees))
+        frees = []
         if event[0] == "alloc":
             number[event[1]] = len(number)
             out.append(("alloc", event[3]))
-        else:
-            out.append(("free", number.get(event[1])))
     return out
 
 
@@ -103,28 +110,63 @@ def deepen(
                     fixed = later_shift if run.tag > template[-1] else 0
                     role[event[1]] = (number, -1 - position, run.tag, fixed)
 
-    out = AllocationTrace()
-    live: set[Any] = set()
+    out = _Deep(AllocationTrace(), template, _freed_at_once(trace, role, period))
     start_of_sweep = {runs[0].positions[0]: number for number, runs in enumerate(sweeps)}
     mark_at = {index: name for name, index in trace.marks.items()}
     index = 0
     while index < len(trace.events):
         if index in mark_at:
-            out.marks[mark_at[index]] = len(out.events)
+            out.trace.marks[mark_at[index]] = len(out.trace.events)
         if index not in start_of_sweep:
-            _emit(trace, index, tags[index], 0, role, out, live)
+            _emit(trace, index, tags[index], 0, role, out)
             index += 1
             continue
         runs = sweeps[start_of_sweep[index]]
         for run, shift in _expanded(runs, template, copies, later_shift):
             for position in run.positions:
                 if position in mark_at and position != index:
-                    out.marks[mark_at[position]] = len(out.events)
-                _emit(trace, position, tags[position], shift, role, out, live)
+                    out.trace.marks[mark_at[position]] = len(out.trace.events)
+                _emit(trace, position, tags[position], shift, role, out)
         index = runs[-1].positions[-1] + 1
-    for name in trace.marks.keys() - out.marks.keys():  # marks at the very end
-        out.marks[name] = len(out.events)
-    return out
+    for name in trace.marks.keys() - out.trace.marks.keys():  # marks at the very end
+        out.trace.marks[name] = len(out.trace.events)
+    return out.trace
+
+
+@dataclass
+class _Deep:
+    """The deep trace being made: its allocations alive, the copies made of each shallow
+    allocation, and the shallow frees that free every copy (`_freed_at_once`)."""
+
+    trace: AllocationTrace
+    template: range
+    batch: set[int]
+    live: set[Any] = field(default_factory=set)
+    copies: dict[Any, list[Any]] = field(default_factory=dict)
+
+
+def _freed_at_once(
+    trace: AllocationTrace, role: dict[Any, tuple[int, int, int, int | None]], period: int
+) -> set[int]:
+    """The frees, among frees made one after another, of one role's allocations in more
+    blocks than a period: a cache cleared at once (autocast's casts of every block's weights,
+    as backward begins), which in the deep model frees every copy, not one at a distance."""
+    batch: set[int] = set()
+    group: list[int] = []
+    for index, event in enumerate([*trace.events, ("end",)]):
+        if event[0] == "free":
+            group.append(index)
+            continue
+        blocks: dict[tuple[int, int], set[int]] = {}
+        for free in group:
+            number, aligned, block, _ = role.get(trace.events[free][1], (0, 0, -1, None))
+            blocks.setdefault((number, aligned), set()).add(block)
+        for free in group:
+            where = role.get(trace.events[free][1])
+            if where is not None and len(blocks[where[:2]]) > period:
+                batch.add(free)
+        group = []
+    return batch
 
 
 def _emit(
@@ -133,12 +175,12 @@ def _emit(
     tag: int | None,
     shift: int,
     role: dict[Any, tuple[int, int, int, int | None]],
-    out: AllocationTrace,
-    live: set[Any],
+    out: _Deep,
 ) -> None:
     """Event `index` of the shallow trace for the block `shift` blocks further on. What is
     allocated outside the part of a run that all blocks share (the embedding, the head) has
-    no copies: whoever frees it frees the one allocation, where its block was moved to."""
+    no copies: whoever frees it frees the one allocation, where its block was moved to; a
+    free made at once with others of its kind (`_freed_at_once`) frees every copy alive."""
     event = trace.events[index]
     where = role.get(event[1])
     if where is None:
@@ -147,22 +189,29 @@ def _emit(
         number, aligned, block, fixed = where
         key = (number, aligned, block + (shift if fixed is None else fixed))
     if event[0] == "alloc":
-        if key in live:
+        if key in out.live:
             raise CannotDeepen(f"allocation {key} made twice")
-        live.add(key)
-        out.events.append(("alloc", key, event[2], event[3]))
-        out.sources.append(index)
-        out.categories[key] = trace.categories.get(event[1], "other")
+        out.live.add(key)
+        out.copies.setdefault(event[1], []).append(key)
+        out.trace.events.append(("alloc", key, event[2], event[3]))
+        out.trace.sources.append(index)
+        out.trace.categories[key] = trace.categories.get(event[1], "other")
+        out.trace.tags.append(None if tag is None else tag + shift)
+        return
+    if index in out.batch:
+        keys = [k for k in out.copies.get(event[1], ()) if k in out.live]
     else:
-        if key not in live:
+        keys = [key]
+    for key in keys:
+        if key not in out.live:
             raise CannotDeepen(
                 f"event {index} (block {tag}, moved {shift}) frees {where or event[1]} as "
                 f"{key}, which is not allocated"
             )
-        live.remove(key)
-        out.events.append(("free", key))
-        out.sources.append(index)
-    out.tags.append(None if tag is None else tag + shift)
+        out.live.remove(key)
+        out.trace.events.append(("free", key))
+        out.trace.sources.append(index)
+        out.trace.tags.append(None if tag is None else tag + shift)
 
 
 def _expanded(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fsdp_bench._version import __version__
 from fsdp_bench.config.launcher import LauncherConfig
-from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.run import RunConfig, alike_key
 from fsdp_bench.memory.analytic import analytic_estimate
 from fsdp_bench.memory.device_memory import (
     Calibration,
@@ -100,10 +100,39 @@ class RunEstimate:
 
 def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
     """Both estimates of one run on `device_type` (runs in a pool worker)."""
-    from fsdp_bench.memory.simulate import simulate  # torch: only in the process that simulates
+    return estimate_alike([run], device_type)[0]
 
+
+def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunEstimate]:
+    """`estimate_run` of runs alike but for their world size (`alike_key`), which share a
+    simulation's check (`simulate_alike`); one that fails is estimated apart, to say which."""
+    from fsdp_bench.memory.simulate import simulate_alike  # torch: only where it simulates
+
+    estimates = [_analytic(run, device_type) for run in runs]
+    try:
+        simulated = simulate_alike(runs, device_type=device_type)
+    except Exception as err:  # an estimate that fails is reported, not fatal
+        if len(runs) > 1:
+            return [estimate_run(run, device_type) for run in runs]
+        estimates[0].error = "".join(traceback.format_exception_only(type(err), err)).strip()
+        return estimates
+    for estimate, sim in zip(estimates, simulated, strict=True):
+        estimate.estimated_peak_gib = sim.peak_bytes / GIB
+        if device_type == "cuda":
+            estimate.estimated_allocated_gib = sim.allocated_bytes / GIB
+            estimate.estimated_reserved_gib = sim.reserved_bytes / GIB
+        estimate.breakdown_gib = {k: v / GIB for k, v in sim.breakdown_bytes.items()}
+        estimate.method = sim.method
+        estimate.estimated_host_gib = sim.host_bytes / GIB
+        estimate.wall_s = sim.wall_s
+    return estimates
+
+
+def _analytic(run: RunConfig, device_type: str) -> RunEstimate:
+    """A run's estimate before its simulation: the analytic figures and what lives outside
+    the allocator."""
     analytic = analytic_estimate(run) if not run.model.is_user_model else None
-    estimate = RunEstimate(
+    return RunEstimate(
         run_id=run.run_id,
         device_type=device_type,
         world_size=run.world_size,
@@ -114,20 +143,6 @@ def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
         analytic_terms_gib={k: v / GIB for k, v in analytic.terms.items()} if analytic else {},
         analytic_lower_bound_gib=analytic.lower_bound_bytes / GIB if analytic else None,
     )
-    try:
-        simulated = simulate(run, device_type=device_type)
-    except Exception as err:  # an estimate that fails is reported, not fatal
-        estimate.error = "".join(traceback.format_exception_only(type(err), err)).strip()
-        return estimate
-    estimate.estimated_peak_gib = simulated.peak_bytes / GIB
-    if device_type == "cuda":
-        estimate.estimated_allocated_gib = simulated.allocated_bytes / GIB
-        estimate.estimated_reserved_gib = simulated.reserved_bytes / GIB
-    estimate.breakdown_gib = {k: v / GIB for k, v in simulated.breakdown_bytes.items()}
-    estimate.method = simulated.method
-    estimate.estimated_host_gib = simulated.host_bytes / GIB
-    estimate.wall_s = simulated.wall_s
-    return estimate
 
 
 def estimate_runs(
@@ -176,11 +191,17 @@ def cached_estimates(
 
 
 def _compute(runs: list[RunConfig], device_type: str) -> Iterator[RunEstimate]:
-    """A user's models in fresh processes, which import their code as it is now."""
-    estimate = functools.partial(estimate_run, device_type=device_type)  # picklable
+    """Runs alike but for their world size together, the largest groups first; a user's
+    models in fresh processes, which import their code as it is now."""
+    estimate = functools.partial(estimate_alike, device_type=device_type)  # picklable
     for user_code in (False, True):
-        group = [run for run in runs if run.model.is_user_model == user_code]
-        yield from (e for _, e in in_subprocesses(estimate, group, user_code=user_code))
+        groups: dict[str, list[RunConfig]] = {}
+        for run in runs:
+            if run.model.is_user_model == user_code:
+                groups.setdefault(alike_key(run), []).append(run)
+        items = sorted(groups.values(), key=len, reverse=True)
+        for _, estimates in in_subprocesses(estimate, items, user_code=user_code):
+            yield from estimates
 
 
 def _read_cache(cache_dir: Path | None, run_id: str) -> RunEstimate | None:

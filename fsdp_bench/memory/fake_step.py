@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.job.measure import MemoryReport, profile_step
 from fsdp_bench.job.models import ModelBundle, build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
@@ -78,10 +79,15 @@ def record_step(run: RunConfig, device_type: str = "cpu") -> RecordedStep:
         with fake_tensors(), recording(context) as recorder:
             optimizer, batches = _set_up(model, bundle, run, device, recorder)
 
+            spanning = _spanning_groups(model, bundle, run)
+
             @contextlib.contextmanager
             def phase(name: str) -> Iterator[None]:
                 if name == "optimizer":  # the list not kept: zero_grad frees them
                     recorder.classify([p.grad for p in model.parameters()], "gradient")
+                if name == "backward":  # a root group's parameters, unsharded in forward
+                    for block, fsdp_param in spanning:
+                        recorder.classify(fsdp_param.all_gather_outputs, "parameter", block)
                 with context.mark(name):
                     yield
 
@@ -140,6 +146,31 @@ def _set_up(
     if run.strategy == "ddp":
         _reduce_into_buckets(model, run)
     return optimizer, batches
+
+
+def _spanning_groups(model: nn.Module, bundle: ModelBundle, run: RunConfig) -> list[Any]:
+    """(block, FSDP parameter) for each parameter of a block in an FSDP group of more blocks
+    than `fsdp.grouping` puts together (the root group of `grouping: root`). Their unsharded
+    storages are made at once, before the first block, and tagged with it; once alive (forward
+    does not reshard a root group) each is tagged with its own block, which makes the copy-out
+    a sweep over the blocks that `deepen` can repeat."""
+    if run.strategy == "ddp":
+        return []
+    block_of = {id(m): index for index, block in enumerate(bundle.blocks) for m in block.modules()}
+    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
+    found = []
+    for module in model.modules():
+        group = (
+            module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        )
+        if group is None:
+            continue
+        owners = [block_of.get(id(p._module_info.module)) for p in group.fsdp_params]
+        if len({b for b in owners if b is not None}) > per_group:
+            found += [
+                (b, p) for b, p in zip(owners, group.fsdp_params, strict=True) if b is not None
+            ]
+    return found
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -11,24 +11,22 @@ give the deep model's trace allocation for allocation, and every figure (the ten
 its breakdown, the allocator's) comes from it. Whether the repetition holds is checked for
 each run: the trace deepened by one period must be the simulated one of that depth, in order
 and stream, sizes that hold every block (a root group's all-gather, DDP's buckets) growing as
-they grew there. Where it does not hold, every per-rank category is taken as affine in the
-blocks (two small tracked simulations give slope and intercept) and the allocator's figures
-come from the whole model's allocations, recorded in two untracked steps.
+they grew there; runs alike but for their world size share one check (`simulate_alike`).
+Where it does not hold, the whole model's allocations are recorded and read the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
-from fsdp_bench.job.measure import MemoryReport
-from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period
-from fsdp_bench.memory.fake_step import SimulatedStep, record_step, simulate_step
+from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period, structure
+from fsdp_bench.memory.fake_step import record_step, simulate_step
 
 
 @dataclass(frozen=True)
@@ -52,61 +50,57 @@ def simulate(
     run: RunConfig, *, device_type: str = "cpu", extrapolate: bool = True
 ) -> SimulatedEstimate:
     """Peak tracked memory of rank 0 of `run` on `device_type` (cuda or cpu), without
-    running it: the tensors are the CPU's, fake, but the model is built as for that device."""
+    running it: the tensors are the CPU's, fake, but the model is built as for that device.
+    `extrapolate=False`: the whole model under the tracker, the reference the others meet."""
+    if extrapolate:
+        return simulate_alike([run], device_type=device_type)[0]
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     start = time.perf_counter()
-    plan = _deepening(run) if extrapolate else None
-    if plan is not None:
-        try:
-            return _deepened(run, device_type, plan, start)
-        except CannotDeepen:
-            pass  # the trace is not a repetition of its template: the lines below
-    points = _settled_line(run, device_type) if extrapolate else None
-    if points is None:
-        report = simulate_step(run, device_type)
-        return _on_device(
-            report.peak_bytes,
-            report.breakdown_bytes,
-            "full",
-            time.perf_counter() - start,
-            (report.offloaded_shard_bytes, report.offloaded_state_bytes),
-            (report.allocated_bytes, report.reserved_bytes),
-        )
-    (small, a), (large, b) = points
-    target = _num_layers(run) or 0
-
-    def line(at_small: int, at_large: int) -> int:
-        slope = (at_large - at_small) / (large - small)
-        return round(at_small + slope * (target - small))
-
-    # Every moment of the step grows linearly with the blocks, but the largest one at the
-    # target size need not be the largest in the small models: take the largest line.
-    moments_a, moments_b = _moments(a, small), _moments(b, large)
-    peak = max(
-        [line(a.peak_bytes, b.peak_bytes)]
-        + [line(moments_a[k], moments_b[k]) for k in moments_a.keys() & moments_b.keys()]
+    report = simulate_step(run, device_type)
+    return _on_device(
+        report.peak_bytes,
+        report.breakdown_bytes,
+        "full",
+        time.perf_counter() - start,
+        (report.offloaded_shard_bytes, report.offloaded_state_bytes),
+        (report.allocated_bytes, report.reserved_bytes),
     )
-    categories = a.breakdown_bytes.keys() | b.breakdown_bytes.keys()
-    breakdown = {
-        c: line(a.breakdown_bytes.get(c, 0), b.breakdown_bytes.get(c, 0)) for c in categories
-    }
-    method = f"extrapolated from {small} and {large} blocks"
-    if min(breakdown.values(), default=0) < 0 or abs(sum(breakdown.values()) - peak) > peak / 100:
-        # The peak came at another moment of the step in the two small models: the total
-        # still grows by one block's worth, but its parts do not; scale the larger model's.
-        scale = peak / max(b.peak_bytes, 1)
-        breakdown = {c: round(v * scale) for c, v in b.breakdown_bytes.items()}
-        method += f" (parts: the {large}-block model's, scaled)"
-    offloaded = (
-        line(a.offloaded_shard_bytes, b.offloaded_shard_bytes),
-        line(a.offloaded_state_bytes, b.offloaded_state_bytes),
-    )
-    # The allocator's figures are not straight lines in the blocks (a segment is added
-    # whenever the cached ones no longer fit, every 10-12 blocks of Llama-2-7B): they come from
-    # the whole model's allocations, recorded in steps without the tracker.
-    whole = record_step(run, device_type).trace if device_type == "cuda" else None
-    allocator = whole.allocator_peaks(expandable=run.train.expandable_segments) if whole else (0, 0)
-    return _on_device(peak, breakdown, method, time.perf_counter() - start, offloaded, allocator)
+
+
+def simulate_alike(runs: list[RunConfig], *, device_type: str = "cpu") -> list[SimulatedEstimate]:
+    """`simulate` for runs alike but for their world size (`alike_key`), in order: the
+    one-period check is made for the first run only. Another run's shallow trace must have the
+    first's structure and deepen into the same events (the same copies of the same
+    allocations, only sizes of shards differ); where a size grew with the blocks in the
+    check (a root group's all-gather, DDP's buckets) or with CPU offload, each run checks
+    itself."""
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+    checked: _Checked | None = None
+    refused = False
+    out = []
+    for run in runs:
+        start = time.perf_counter()
+        plan = _deepening(run)
+        estimate = None
+        if plan is not None and not refused:
+            try:
+                estimate, checked = _deepened(run, device_type, plan, checked, start)
+            except CannotDeepen:
+                refused = True  # the others' traces are alike: trace them whole too
+        out.append(estimate or _traced_whole(run, device_type, start))
+    return out
+
+
+def _traced_whole(run: RunConfig, device_type: str, start: float) -> SimulatedEstimate:
+    """The estimate from the whole model's recorded allocations (their live peak is the
+    tracker's, to the byte): for a model whose trace cannot be deepened."""
+    whole = record_step(run, device_type)
+    peak, breakdown = whole.trace.live_peak("step", with_inputs=run.strategy == "ddp")
+    cuda = device_type == "cuda"
+    expandable = run.train.expandable_segments
+    allocator = whole.trace.allocator_peaks(expandable=expandable) if cuda else (0, 0)
+    wall_s = time.perf_counter() - start
+    return _on_device(peak, breakdown, "traced whole", wall_s, whole.offloaded, allocator)
 
 
 @dataclass(frozen=True)
@@ -145,27 +139,55 @@ def _deepening(run: RunConfig) -> _Deepening | None:
     return _Deepening(blocks, left, period, target)
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """What a run's one-period check showed, for the runs alike but for world size."""
+
+    world_size: int
+    shallow: list[tuple[Any, ...]]
+    """The shallow trace's `structure`, and the one deepened by one period, with which
+    shallow event each of its events copies."""
+    made: list[tuple[Any, ...]]
+    sources: list[int]
+
+
 def _deepened(
-    run: RunConfig, device_type: str, plan: _Deepening, start: float
-) -> SimulatedEstimate:
+    run: RunConfig, device_type: str, plan: _Deepening, checked: _Checked | None, start: float
+) -> tuple[SimulatedEstimate, _Checked | None]:
     """The estimate from a `plan.blocks`-block simulation, deepened to the model's depth, once
     the same deepening by one period has reproduced a simulated trace, allocation for
-    allocation (sizes that hold every block grown as they grew in that period)."""
+    allocation (sizes that hold every block grown as they grew in that period). `checked`: a
+    run alike but for its world size passed that check with no size growing; if this run's
+    trace deepens by one period into the same events, the check stands for it.
+    Returns the estimate and the check that later alike runs may use."""
     small = record_step(_with_layers(run, plan.blocks), device_type)
-    check = record_step(_with_layers(run, plan.blocks + plan.period), device_type)
     made = deepen(small.trace, plan.blocks, plan.blocks + plan.period, *plan.template)
-    growth = growth_per_period(made, check.trace)
-    deep = deepen(small.trace, plan.blocks, plan.target, *plan.template)
-    deep = grown(deep, growth, (plan.target - plan.blocks) // plan.period)
+    mine = _Checked(run.world_size, structure(small.trace), structure(made), made.sources)
+    deeper = plan.blocks + plan.period
+    periods = (plan.target - plan.blocks) // plan.period
+    if checked is not None and (mine.shallow, mine.made, mine.sources) == (
+        checked.shallow, checked.made, checked.sources
+    ):  # fmt: skip
+        growth: dict[int, int] = {}
+        offloaded = (0, 0)  # checks are not shared under CPU offload
+        at = f"{deeper}, {checked.world_size} ranks"
+    else:
+        check = record_step(_with_layers(run, deeper), device_type)
+        growth = growth_per_period(made, check.trace)
+        (shard_a, state_a), (shard_b, state_b) = small.offloaded, check.offloaded
+        offloaded = (
+            shard_a + (shard_b - shard_a) * periods,
+            state_a + (state_b - state_a) * periods,
+        )
+        at = str(deeper)
+        checked = mine if not growth and not run.fsdp.cpu_offload else None
+    deep = grown(deepen(small.trace, plan.blocks, plan.target, *plan.template), growth, periods)
     peak, breakdown = deep.live_peak("step", with_inputs=run.strategy == "ddp")
     cuda = device_type == "cuda"
     allocator = deep.allocator_peaks(expandable=run.train.expandable_segments) if cuda else (0, 0)
-    periods = (plan.target - plan.blocks) // plan.period
-    (shard_a, state_a), (shard_b, state_b) = small.offloaded, check.offloaded
-    offloaded = (shard_a + (shard_b - shard_a) * periods, state_a + (state_b - state_a) * periods)
-    method = f"deepened from {plan.blocks} blocks (checked at {plan.blocks + plan.period})"
+    method = f"deepened from {plan.blocks} blocks (checked at {at})"
     wall_s = time.perf_counter() - start
-    return _on_device(peak, breakdown, method, wall_s, offloaded, allocator)
+    return _on_device(peak, breakdown, method, wall_s, offloaded, allocator), checked
 
 
 def _on_device(
@@ -191,45 +213,6 @@ def _on_device(
     )  # fmt: skip
 
 
-# Extrapolation is trusted once two consecutive slopes agree this closely, measured by what
-# their difference would change at the target size.
-SETTLED = 0.002
-MAX_SMALL_MODELS = 6
-
-
-def _settled_line(run: RunConfig, device_type: str) -> tuple[tuple[int, SimulatedStep], ...] | None:
-    """Two small block counts on the straight part of peak(blocks), simulated; None: simulate
-    the whole model (user models, uneven groups, or no straight part found cheaply).
-
-    The first few blocks can still change which moment of the step is the peak (70B: the
-    logits' gradient overtakes between 2 and 3 blocks), so slopes are compared until two
-    consecutive ones agree."""
-    target = _num_layers(run)
-    if target is None:
-        return None
-    per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
-    depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
-    if target % per_group:
-        return None
-    counts = [per_group * n for n in range(max(2, depth + 1), target // per_group)]
-    if sum(counts[:3]) > target:  # three small models would cost more than the whole one
-        return None
-    points: list[tuple[int, SimulatedStep]] = []
-    spent = 0
-    for count in counts[:MAX_SMALL_MODELS]:
-        spent += count
-        if spent > target:
-            return None
-        points.append((count, simulate_step(_with_layers(run, count), device_type)))
-        if len(points) >= 3:
-            (n0, p0), (n1, p1), (n2, p2) = points[-3:]
-            slope_a = (p1.peak_bytes - p0.peak_bytes) / (n1 - n0)
-            slope_b = (p2.peak_bytes - p1.peak_bytes) / (n2 - n1)
-            if abs(slope_b - slope_a) * (target - n2) <= SETTLED * p2.peak_bytes:
-                return points[-2], points[-1]
-    return None
-
-
 def device_share(
     peak: int, breakdown: dict[str, int], shard_bytes: int, state_bytes: int
 ) -> tuple[int, dict[str, int], int]:
@@ -245,22 +228,6 @@ def device_share(
     parts["parameter"] = parts.get("parameter", 0) - params
     parts["gradient"] = parts.get("gradient", 0) - grads
     return peak - moved, parts, 2 * shard_bytes + state_bytes
-
-
-def _moments(report: MemoryReport, n_layers: int) -> dict[str, int]:
-    """Module peaks under names that mean the same moment whatever the block count: the first
-    and the last block (the middle ones lie between them), and the modules outside blocks."""
-    moments = {}
-    for key, value in report.module_peak_bytes.items():
-        match = re.search(r"\.(?:layers|h|blocks)\.(\d+)(?=[. ])", key)  # GPT-2: .h.N
-        if match:
-            index = int(match.group(1))
-            if index not in (0, n_layers - 1):
-                continue
-            where = "first" if index == 0 else "last"
-            key = key[: match.start(1)] + where + key[match.end(1) :]
-        moments[key] = value
-    return moments
 
 
 def _num_layers(run: RunConfig) -> int | None:
