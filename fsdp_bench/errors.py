@@ -6,6 +6,9 @@ a bug and keeps its traceback. Messages name the offending key or value and what
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 
 class FsdpBenchError(Exception):
     """Root of the errors a user can act on."""
@@ -49,6 +52,34 @@ class FieldError(ConfigError):
         self.where = where
         self.args = (self._format(),)
         return self
+
+
+def unknown_key(key: object, valid: Sequence[str], at: str | None = None) -> FieldError:
+    """The one line for a key that is not among `valid` (at the key path `at`, by default
+    the key): the closest valid key, if one is close, and only the valid keys of the key's
+    own section (`fsdp.` for `fsdp.reshard`); a dotted key of an unknown section lists the
+    sections."""
+    text = str(key)
+    section, _, name = text.rpartition(".")
+    keys = [v for v in valid if v.rpartition(".")[0] == section]
+    sections = sorted({v.rpartition(".")[0] for v in valid} - {""})
+    close = _closest(name, keys) or difflib.get_close_matches(text, valid, n=1, cutoff=0.6)
+    if not keys:  # an unknown section
+        listed, what = [f"{s}." for s in sections], "valid sections"
+    elif section:
+        listed, what = [v.rpartition(".")[2] for v in keys], f"valid keys in {section}"
+    else:
+        listed, what = keys + [f"{s}.*" for s in sections], "valid keys"
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return FieldError(at or text, key, f"{hint}{what}: {', '.join(listed)}", unknown_key=True)
+
+
+def _closest(name: str, keys: Sequence[str]) -> list[str]:
+    """The key of a section that `name` begins (a truncated key), or the closest spelling."""
+    by_name = {k.rpartition(".")[2]: k for k in keys}
+    begun = [k for n, k in by_name.items() if name and n.startswith(name)]
+    close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=0.6)
+    return begun[:1] if len(begun) == 1 else [by_name[c] for c in close]
 
 
 class CombinationError(FieldError):

@@ -170,11 +170,21 @@ def test_run_id_is_the_same_in_another_process() -> None:
     [
         (
             grid(base={"fsdp": {"groupin": "block"}}),
-            "grid.yaml: base.fsdp.groupin: unknown key; valid keys: grouping, reshard_after",
+            "grid.yaml: base.fsdp.groupin: unknown key; did you mean 'grouping'? valid keys: "
+            "grouping, reshard_after",
         ),
         (
             grid(axes={"fsdp.reshard": [True]}),
-            "grid.yaml: axes.fsdp.reshard: unknown key; valid keys: world_size",
+            "grid.yaml: axes.fsdp.reshard: unknown key; did you mean 'fsdp.reshard_after_forward'? "
+            "valid keys in fsdp: grouping, reshard_after_forward, prefetch,",
+        ),
+        (
+            grid(axes={"fsdp.reshard_after_foward": [True]}),
+            "axes.fsdp.reshard_after_foward: unknown key; did you mean 'fsdp.reshard_after_forward'",
+        ),
+        (
+            grid(axes={"fsdb.grouping": ["root"]}),
+            "axes.fsdb.grouping: unknown key; did you mean 'fsdp.grouping'? valid sections: data.,",
         ),
         (
             grid(bogus=1),
@@ -466,3 +476,9 @@ def test_max_runs_flag_sets_the_limit(tmp_path: Path, capsys: pytest.CaptureFixt
         main(["sweep", str(path), "--dry-run", "--max-runs", "0"])
     assert info.value.code == 2
     assert "--max-runs: '0' is not allowed; expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_an_unknown_axis_lists_its_own_section_not_every_key() -> None:
+    """A typo among 40-odd axis paths: one short line (it was 1,000 characters)."""
+    message = error_of(grid(axes={"fsdp.reshard_after_foward": [True]}))
+    assert len(message) < 300 and "train." not in message and "world_size" not in message

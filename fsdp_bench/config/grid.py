@@ -25,7 +25,7 @@ from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig, canonical_grouping
 from fsdp_bench.config.schema import bad_value, build, coerce, field_paths
 from fsdp_bench.config.yaml_file import read_yaml
-from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show
+from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show, unknown_key
 
 AXIS_PATHS: dict[str, Any] = field_paths(RunConfig)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -85,7 +85,7 @@ def _parse(data: object, source: str) -> SweepSpec:
         raise bad_value("", data, f"a grid is a mapping with keys: {', '.join(_TOP_KEYS)}")
     for key in data:
         if key not in _TOP_KEYS:
-            raise FieldError(str(key), key, f"valid keys: {', '.join(_TOP_KEYS)}", unknown_key=True)
+            raise unknown_key(key, _TOP_KEYS)
     name = data.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise bad_value("name", name, "expected a name of letters, digits, '.', '_' or '-'")
@@ -211,7 +211,7 @@ def _parse_exclude(raw: object) -> tuple[dict[str, tuple[Any, ...]], ...]:
 
 def _check_path(where: str, key: object) -> None:
     if key not in AXIS_PATHS:
-        raise FieldError(where, key, f"valid keys: {', '.join(AXIS_PATHS)}", unknown_key=True)
+        raise unknown_key(key, list(AXIS_PATHS), at=where)
 
 
 def _normalise(key: str, value: object, where: str) -> Any:

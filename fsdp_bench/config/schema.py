@@ -14,7 +14,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from fsdp_bench.errors import FieldError, yaml_scalar
+from fsdp_bench.errors import FieldError, unknown_key, yaml_scalar
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ def build(cls: type[T], data: object) -> T:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
-            raise FieldError(str(key), key, f"valid keys: {', '.join(names)}", unknown_key=True)
+            raise unknown_key(key, names)
         try:
             kwargs[key] = coerce(hints[key], value)
         except FieldError as err:
