@@ -180,7 +180,8 @@ def test_run_id_is_the_same_in_another_process() -> None:
         ),
         (
             grid(axes={"fsdp.reshard_after_foward": [True]}),
-            "axes.fsdp.reshard_after_foward: unknown key; did you mean 'fsdp.reshard_after_forward'",
+            "axes.fsdp.reshard_after_foward: unknown key; "
+            "did you mean 'fsdp.reshard_after_forward'",
         ),
         (
             grid(axes={"fsdb.grouping": ["root"]}),
