@@ -443,6 +443,22 @@ def test_report_of_a_table_with_failures(hand_built: tuple[Path, dict[str, str]]
     summary = (root / "report" / "summary.md").read_text()
     assert f"tied with the best: {ids['w2_block_true']}" in summary
     assert ids["w2_block"] in summary and "budget" in (root / "report" / "report.html").read_text()
+    page = (root / "report" / "report.html").read_text()
+    assert "Why runs did not finish ok" in page and "collective timeout" in page
+    assert "Why runs did not finish ok" in summary and "boom" in summary
+
+
+def test_failure_reasons_one_row_per_status_and_reason(
+    hand_built: tuple[Path, dict[str, str]],
+) -> None:
+    """What the sweep prints and the report lists: the rank that said it left out."""
+    root, ids = hand_built
+    table = summaries.failure_reasons(load_results(root))
+    rows = {(r.status, r.reason): (r.runs, r.run_ids) for r in table.itertuples()}
+    assert rows[("oom", "OOM")] == (1, ids["w2_root_true"])  # "rank 0: OOM"
+    assert rows[("error", "boom")] == (1, ids["w2_linear_true"])
+    assert ("skipped", "predicted_oom: estimate 9 GiB > budget 8") in rows
+    assert len(rows) == 5 and table["runs"].sum() == 5
 
 
 def test_the_grid_margin_is_kept_free_below_the_budget(

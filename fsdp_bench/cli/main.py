@@ -342,6 +342,7 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
     """The ranking of `run_ids` with its notes; the best ok run's id (None: none ok)."""
+    from fsdp_bench.report.summaries import failure_reasons
     from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.report.ties import noise_text
     from fsdp_bench.store import load_results
@@ -351,9 +352,12 @@ def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
     print(format_ranking(table))
     if "tie" in table:
         print(f"between-pass noise: {noise_text(df[df['run_id'].isin(run_ids)])}")
-    failed = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
-    if len(failed):
-        print(f"{len(failed)} runs did not finish ok; see 'reason' in the results.")
+    failures = failure_reasons(df[df["run_id"].isin(run_ids)])
+    if len(failures):
+        count = int(failures["runs"].sum())
+        print(f"{count} run{'s' if count > 1 else ''} did not finish ok:")
+        for status, reason, runs in failures[["status", "reason", "runs"]].to_numpy().tolist():
+            print(f"  {status}, {runs} run{'s' if runs > 1 else ''}: {reason}")
     contended = int(table["contended"].eq(True).sum()) if "contended" in table else 0
     if contended:
         print(

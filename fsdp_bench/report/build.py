@@ -219,13 +219,19 @@ def _measured_sections(
     step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
     status = report_tables.status_table(summaries.status_counts(df))
+    failures = summaries.failure_reasons(df).drop(columns="run_ids")
     sections = [
         html_report.Section(
             "Best configuration per world size",
             _budget_text(budget, inputs.grid.margin_gib),
             [("", report_tables.best_table(best))],
         ),
-        html_report.Section("Runs by status", "", [("", status)], in_summary=True),
+        html_report.Section(
+            "Runs by status",
+            "",
+            [("", status)] + ([("Why runs did not finish ok", failures)] if len(failures) else []),
+            in_summary=True,
+        ),
         html_report.Section("Throughput and memory", "", figures=list(drawn)),
         html_report.Section(
             "Where a step's time goes",

@@ -30,7 +30,8 @@ def markdown_summary(
         lines += ["## Scaling efficiency", "", md(report_tables.scaling_table(beyond)), ""]
     for section in [section for section in doc.sections if section.in_summary]:
         lines += [f"## {section.title}", ""] + ([section.text, ""] if section.text else [])
-        lines += [md(t) for _, t in section.tables] + [""]
+        for caption, table in section.tables:
+            lines += ([f"### {caption}", ""] if caption else []) + [md(table), ""]
     lines += ["## Figures", ""]
     for figure in drawn:
         if figure.paths:
