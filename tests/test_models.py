@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -156,3 +157,27 @@ def test_cpu_offload_materialises_shards_on_the_host_and_buffers_where_they_comp
     assert {b.device.type for b in module.buffers()} == {"meta"}
     materialize(module := with_buffers(), torch.device("cpu"))
     assert torch.equal(module[1].running_mean, torch.full((4,), 3.0))
+
+
+@pytest.mark.slow
+def test_a_users_model_module_is_found_beside_the_grid_from_any_folder(tmp_path: Path) -> None:
+    """`model.name: mymodels:build` with mymodels.py beside the grid, run from another
+    folder with no PYTHONPATH: imported as users expect (here by the estimate's model check
+    and simulation, fresh processes that inherit the path)."""
+    import subprocess
+
+    import yaml
+
+    from tests.conftest import USER_MODEL
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "mymodels.py").write_text(USER_MODEL.format(width=16))
+    grid = {"name": "mine", "base": {"model": {"name": "mymodels:build"}, "world_size": 1}}
+    (project / "grid.yaml").write_text(yaml.safe_dump(grid))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "fsdp_bench", "estimate", "../project/grid.yaml"],
+                          cwd=elsewhere, env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "cannot import" not in done.stdout + done.stderr

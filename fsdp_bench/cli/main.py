@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -200,13 +201,32 @@ def _grid_path(given: str | None) -> Path:
     return Path(str(resources.files("fsdp_bench") / "grids" / DEFAULT_GRID))
 
 
+def _read_grid(given: str | None) -> SweepSpec:
+    """The grid named on the command line; a user's model module is found beside it."""
+    from fsdp_bench.config.grid import load_grid
+
+    path = _grid_path(given)
+    if given is not None:
+        _import_user_code_from(path.parent, Path.cwd())
+    return load_grid(path)
+
+
+def _import_user_code_from(*folders: Path) -> None:
+    """A user's model (`model.name: package.module:function`) is imported from the grid's
+    folder and the working folder, as users expect, here and in every process started from
+    here (ranks, estimates, model checks inherit PYTHONPATH; Slurm jobs too, as sbatch
+    exports the environment). Appended: installed packages and the standard library win."""
+    added = [str(folder.resolve()) for folder in folders]
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + added))
+    sys.path += [folder for folder in dict.fromkeys(added) if folder not in sys.path]
+
+
 def _load_grid(args: argparse.Namespace) -> SweepSpec:
     """The grid named on the command line, with the command's --max-runs."""
     import dataclasses
 
-    from fsdp_bench.config.grid import load_grid
-
-    return dataclasses.replace(load_grid(_grid_path(args.grid)), max_runs=args.max_runs)
+    return dataclasses.replace(_read_grid(args.grid), max_runs=args.max_runs)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -279,10 +299,9 @@ def _search(args: argparse.Namespace) -> int:
     import dataclasses
 
     from fsdp_bench.cli import views
-    from fsdp_bench.config.grid import load_grid
     from fsdp_bench.search import SearchOptions, run_search
 
-    spec = load_grid(_grid_path(args.grid))
+    spec = _read_grid(args.grid)
     overrides = {k: getattr(args, k) for k in SEARCH_FLAGS if getattr(args, k) is not None}
     if args.multi_objective:
         overrides["multi_objective"] = True
