@@ -126,6 +126,9 @@ class Estimate:
     high: float | None = None
     spread_pct: float | None = None
     pass_values: tuple[float, ...] = ()
+    contended: bool = False
+    """Measured while something else competed for the machine: its passes say how busy the
+    machine was, not how much a pass moves, so they stay out of the pooled noise."""
 
 
 def pass_values(
@@ -174,11 +177,12 @@ class PassNoise:
 
 
 def pass_noise(estimates: Sequence[Estimate | None]) -> PassNoise | None:
-    """The between-pass noise pooled over every estimate with 2 or more passes; None with
-    fewer than `MIN_PASS_DF` degrees of freedom (a sweep of one pass has none)."""
+    """The between-pass noise pooled over every estimate with 2 or more passes, contended
+    ones left out; None with fewer than `MIN_PASS_DF` degrees of freedom (a sweep of one
+    pass has none)."""
     squares, df, runs = 0.0, 0, 0
     for estimate in estimates:
-        if estimate is None or len(estimate.pass_values) < 2:
+        if estimate is None or len(estimate.pass_values) < 2 or estimate.contended:
             continue
         logs = [math.log(v) for v in estimate.pass_values]
         mean = statistics.fmean(logs)

@@ -24,11 +24,17 @@ def test_quickstart_end_to_end(
     header = table[1].split()
     assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header
     notes = [line for line in table[2:] if "contended" in line and "--rerun" in line]
+    verdicts = [line for line in table[2:]
+                if line.startswith(("fastest: the DDP baseline", "no clear winner"))]  # fmt: skip
     launch = next(i for i, line in enumerate(table) if line.startswith("to measure it again"))
-    assert launch == 2 + 33 + 1 + len(notes)  # a run timed beside something else says so
+    # a run timed beside something else says so; a DDP best is named beside the FSDP2 one
+    assert launch == 2 + 33 + 1 + len(notes) + len(verdicts)
     noise = table[2 + 33]
     assert noise.startswith("between-pass noise: ") and "pooled over 33 runs, 33 degrees" in noise
-    best = table[2].split()[0]  # the torchrun line that measures the best run again
+    ranked_rows = [line.split() for line in table[2 : 2 + 33]]
+    fsdp_rows = [row for row in ranked_rows if row[2] != "ddp"]
+    best = fsdp_rows[0][0]  # the torchrun line that measures the fastest FSDP2 run again
+    assert (ranked_rows[0][2] == "ddp") == any(v.startswith("fastest: the DDP") for v in verdicts)
     assert table[launch + 1].strip().startswith("torchrun --nnodes 1 --nproc_per_node ")
     assert (
         f"launch/{best}.yaml" in table[launch + 1]

@@ -677,3 +677,24 @@ def test_a_configuration_measured_again_is_one_row_the_most_measured(tmp_path: P
     failed = RunConfig(world_size=2, measure=MeasureConfig(rounds=2))
     store.record(RunResult(run_id=failed.run_id, status="error", config=to_plain(failed)))
     assert again.run_id in set(load(store.root)["run_id"])  # an ok record before a failed one
+
+
+def test_the_verdict_names_the_fastest_fsdp2_configuration_beside_the_ddp_baseline() -> None:
+    """The quickstart's bold best was DDP and its launch line the baseline's; and when most
+    runs tie, the verdict says there is no clear winner instead of naming one."""
+    records = pd.DataFrame({
+        "run_id": ["d", "f1", "f2", "f3"], "status": "ok",
+        "strategy": ["ddp", "fsdp", "fsdp", "fsdp"], "tokens_per_s": [1000.0, 900, 800, 700],
+    })  # fmt: skip
+    clear = records.assign(tie=["best", "", "", ""])
+    assert summaries.verdict(clear, records) == (
+        ["fastest: the DDP baseline (run d); the fastest FSDP2 configuration: run f1, 10% slower"],
+        "f1",
+    )
+    tied = records.assign(tie=["best", "tied", "tied", ""])
+    lines, chosen = summaries.verdict(tied, records)
+    assert chosen == "f1" and lines[0].endswith("run f1, tied with it")
+    assert lines[1].startswith("no clear winner: 3 of 4 runs cannot be told apart")
+    fsdp_first = records.iloc[1:].assign(tie=["best", "", ""])
+    assert summaries.verdict(fsdp_first, records) == ([], "f1")
+    assert summaries.verdict(records.assign(status="oom", tie=""), records) == ([], None)

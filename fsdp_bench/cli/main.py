@@ -360,8 +360,9 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
 
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
-    """The ranking of `run_ids` with its notes; the best ok run's id (None: none ok)."""
-    from fsdp_bench.report.summaries import failure_reasons
+    """The ranking of `run_ids` with its notes; the id of the run to give a launch line for,
+    the fastest FSDP2 configuration (`summaries.verdict`; None: no run ok)."""
+    from fsdp_bench.report.summaries import failure_reasons, verdict
     from fsdp_bench.report.tables import format_ranking, ranking
     from fsdp_bench.report.ties import noise_text
     from fsdp_bench.store import load_results
@@ -383,8 +384,10 @@ def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
             f"{contended} runs were measured while something else competed for the machine "
             "(contended; see 'contention'); --rerun-contended measures them again"
         )
-    ok = table[table["status"] == "ok"] if "status" in table else table.iloc[0:0]
-    return str(ok["run_id"].iloc[0]) if len(ok) else None
+    lines, chosen = verdict(table, df)
+    for line in lines:
+        print(line)
+    return chosen
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def estimate(row: pd.Series) -> Estimate | None:
         high=_number(row, "tokens_per_s_ci_high"),
         spread_pct=_number(row, "step_time_spread_pct"),
         pass_values=pass_values(value, _number(row, "step_time_s"), _passes(row)),
+        contended=row.get("contended") is True,
     )
 
 
@@ -64,10 +65,12 @@ def noise_text(df: pd.DataFrame) -> str:
             "not measured (it needs 4 passes beyond each run's first, over all runs: "
             "measure.rounds 2 or more); ties allow only for the noise between one run's steps"
         )
+    contended = int(df["contended"].eq(True).sum()) if "contended" in df else 0
+    left_out = f", {contended} contended runs left out" if contended else ""
     return (
         f"{found.pct:.1f}% per pass, standard deviation (pooled over {found.runs} runs, "
-        f"{found.df} degrees of freedom); runs a t-test on their passes cannot tell from the "
-        "best are tied (at 5% over all comparisons with the best, Bonferroni)"
+        f"{found.df} degrees of freedom{left_out}); runs a t-test on their passes cannot tell "
+        "from the best are tied (at 5% over all comparisons with the best, Bonferroni)"
     )
 
 
