@@ -482,3 +482,32 @@ def test_transformers_models_sweep_and_verify_at_world_size_2(
     assert set(gpt2.num_params) == {256 * d + 256 * d + 2 * block + 2 * d}
     assert math.isclose(df[df.model == "user_models:raw"].flops_per_token.iloc[0],
                         df[df.model == configs["llama"]].flops_per_token.iloc[0])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generated_code_runs_on_a_transformers_model(
+    configs: dict[str, str], mesh: DeviceMesh, name: str
+) -> None:
+    """The printed fully_shard code loops over the blocks where the model keeps them
+    (`model.model.layers` in Llama, `model.transformer.h` in GPT-2; it wrote `model.layers`,
+    which a transformers model does not have) and runs as printed."""
+    from fsdp_bench.cli.codegen import fully_shard_code
+    from fsdp_bench.memory.model_check import check_models
+
+    run = RunConfig(model=ModelConfig(name=configs[name]),
+                    fsdp=FsdpConfig(activation_checkpointing="block", prefetch=1))  # fmt: skip
+    found = build_model(run.model).blocks_path
+    assert found == {"llama": "model.layers", "gpt2": "transformer.h"}[name]
+    if name == "llama":  # what the CLI reads: the model check's facts (a fresh process)
+        assert check_models([run])[run.run_id].blocks_path == found
+    code = fully_shard_code(run, device="cpu", blocks=f"model.{found}")
+    model = build_model(run.model).module
+    batches = rank_batches(
+        RunConfig(data=DataConfig(micro_batch_size=1, seq_len=16)), 0, 256, torch.device("cpu")
+    )
+    namespace = {"model": model, "loss_fn": loss_fn, "inputs": batches[0][0],
+                 "targets": batches[0][1], "micro_batches": batches}  # fmt: skip
+    exec(compile(code, "<generated>", "exec"), namespace)  # our own output
+    assert "model.layers" not in code.replace(f"model.{found}", "")
+    sharded = [m for m in model.modules() if type(m).__name__.startswith("FSDP")]
+    assert len(sharded) == 3  # two blocks and the root

@@ -1,7 +1,9 @@
 """The Python that reproduces a run's parallelism in a user's own training script.
 
 What `job/parallelize.py` does for a RunConfig, written out as the handful of torch calls it
-amounts to, for a model whose transformer blocks are `model.layers` (adjust the name to yours).
+amounts to, for a model whose transformer blocks are the list `blocks` names (`model.layers`
+for the presets; for others where the model check found them: `model.model.layers` in a
+Llama of transformers).
 """
 
 from __future__ import annotations
@@ -9,10 +11,10 @@ from __future__ import annotations
 from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
 
 
-def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
+def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.layers") -> str:
     """Source code: mesh, policies, activation checkpointing, fully_shard calls, prefetch, the
-    run's optimizer and the accumulation loop. It expects `model` (blocks in `model.layers`),
-    and for the step `inputs`/`targets` or `micro_batches` and `loss_fn`."""
+    run's optimizer and the accumulation loop. It expects `model` (its blocks the list
+    `blocks`), and for the step `inputs`/`targets` or `micro_batches` and `loss_fn`."""
     lines = ["import torch", "from torch.distributed.device_mesh import init_device_mesh"]
     if run.strategy == "ddp":
         lines += _ddp_code(run, device)
@@ -33,7 +35,8 @@ def fully_shard_code(run: RunConfig, device: str = "cuda") -> str:
         _optimizer_code(run) + "  # after fully_shard: shards only",
     ]
     lines += _step_code(run, "model.set_requires_gradient_sync")
-    return "\n".join(lines) + "\n"
+    # the pieces below write the blocks as `model.layers`, the presets' list
+    return "\n".join(lines).replace("model.layers", blocks) + "\n"
 
 
 def _fsdp_imports(run: RunConfig) -> list[str]:

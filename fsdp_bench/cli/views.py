@@ -216,12 +216,17 @@ def _reproduce_lines(spec: SweepSpec, run: RunConfig, name: str, results: Path) 
     from fsdp_bench.cli.codegen import fully_shard_code
     from fsdp_bench.cli.launch_lines import launch_lines
 
+    blocks, note = "model.layers", ""
+    if run.model.is_user_model:  # where the model check found them (memoised: no rebuild)
+        found = check_models([run])[run.run_id].blocks_path
+        blocks = f"model.{found}" if found else blocks
+        note = "" if found else " (model.layers: your model's list of blocks, in forward order)"
     return [
         "",
         f"{name} as a grid base (YAML):",
         _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
-        "in your training script (Python):",
-        _indent(fully_shard_code(run)),
+        f"in your training script (Python){note}:",
+        _indent(fully_shard_code(run, blocks=blocks)),
         *launch_lines(spec, run, results),
     ]
 

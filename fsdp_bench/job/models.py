@@ -43,6 +43,19 @@ class ModelBundle:
     init: Callable[[nn.Module], None] | None = None
     """Initialises the materialised (sharded) module in place; None: `default_init`."""
 
+    @property
+    def blocks_path(self) -> str | None:
+        """Where the blocks live in the module, as one list of them (`model.layers` in a
+        Llama of transformers, `transformer.h` in GPT-2): the generated `fully_shard` code
+        loops over it. None when they are not the whole of one list."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        holders = {names.get(id(b), "").rpartition(".")[0] for b in self.blocks}
+        if len(holders) != 1 or "" in holders:
+            return None
+        holder = holders.pop()
+        listed = self.module.get_submodule(holder)
+        return holder if list(listed.children()) == list(self.blocks) else None
+
 
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape, device_type: str = "cpu") -> None:

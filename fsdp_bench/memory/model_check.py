@@ -45,6 +45,8 @@ class ModelFacts:
     flops_source: str
     num_params: int
     num_blocks: int
+    blocks_path: str | None = None
+    """`ModelBundle.blocks_path`: for the generated fully_shard code."""
 
 
 _checked: dict[str, ModelFacts] = {}
@@ -199,6 +201,7 @@ def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
         flops_source=source,
         num_params=sum(p.numel() for p in module.parameters()),
         num_blocks=len(bundle.blocks),
+        blocks_path=bundle.blocks_path,
     )
 
 
