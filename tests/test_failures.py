@@ -33,3 +33,24 @@ def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path: Path) 
     assert "Timed out" in by_fault.loc["hang", "reason"]
     assert by_fault.loc["none", "status"] == "ok"  # the run after the failures
     assert not list((tmp_path / "results" / "inflight").iterdir())
+
+
+@pytest.mark.slow
+def test_an_interrupt_that_reaches_only_the_ranks_is_measured_again(tmp_path: Path) -> None:
+    """A Ctrl-C the terminal gave the ranks but not the driver: before, the run was recorded
+    `error` for good, the sweep exited 0 and a rerun skipped it. Now the command ends as
+    interrupted (130) with nothing recorded, and the same command starts the run again."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, started_counts, write_grid
+
+    grid = tiny_grid("interrupted", {"fault.kind": ["interrupt"]}, world_size=1)
+    command = [sys.executable, "-m", "fsdp_bench", "sweep", str(write_grid(tmp_path, grid)),
+               "--results", str(tmp_path / "r")]  # fmt: skip
+    for attempt in (1, 2):
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 130, done.stderr
+        assert "interrupted (run " in done.stderr and "a signal interrupted rank 0" in done.stderr
+        assert not list((tmp_path / "r" / "runs").glob("*.json"))
+        assert list(started_counts(tmp_path / "r").values()) == [attempt]

@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"fsdp-bench: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print(
-            "\nfsdp-bench: interrupted; every finished run is recorded. "
-            "Run the same command again to resume.",
+            f"\nfsdp-bench: interrupted{f' ({err})' if str(err) else ''}; every finished run "
+            "is recorded. Run the same command again to resume.",
             file=sys.stderr,
         )
         return 130

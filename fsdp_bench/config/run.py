@@ -151,9 +151,10 @@ class TrainConfig:
 class FaultConfig:
     """A fault to inject, to check that failures are classified (tests, cluster shakedowns)."""
 
-    kind: Literal["none", "oom", "error", "hang", "exit"] = "none"
+    kind: Literal["none", "oom", "error", "hang", "exit", "interrupt"] = "none"
     """oom: a real allocation far beyond memory; error: an exception; hang: stop taking part
-    in collectives; exit: the process dies without a word."""
+    in collectives; exit: the process dies without a word; interrupt: SIGINT to the rank, a
+    Ctrl-C that reached the ranks but not fsdp-bench."""
     rank: int = 0
     """The rank that misbehaves (the others run normally)."""
 

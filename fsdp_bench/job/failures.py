@@ -129,6 +129,9 @@ def inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
                 time.sleep(3600)
         case "exit":
             os._exit(17)
+        case "interrupt":
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(60)  # the handler raises KeyboardInterrupt in this thread meanwhile
         case other:
             raise ValueError(f"fault.kind {other!r}")
 

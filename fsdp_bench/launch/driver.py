@@ -258,6 +258,9 @@ class Driver:
             progressed = True
             verdict = classify_failure(read_notes(inflight), item.cancel_reason, state)
             limit = self.spec.launcher.requeue_limit
+            if verdict.status == "interrupted":
+                shutil.rmtree(inflight, ignore_errors=True)
+                raise RanksInterrupted(f"run {run.run_id}: {verdict.reason}")
             if verdict.status in REQUEUED_STATUSES and self.interruptions[run.run_id] < limit:
                 self.interruptions[run.run_id] += 1
                 remaining.append(run)
@@ -294,6 +297,12 @@ class Driver:
         result = unmeasured_record(run, status, reason, provenance, self.estimates.get(run.run_id))
         self.store.record(result)
         self.announce(result)
+
+
+class RanksInterrupted(KeyboardInterrupt):
+    """A signal stopped a job's ranks but not this process (a Ctrl-C the terminal gave the
+    ranks alone, a kill -INT of them): the user's Ctrl-C all the same. The run in flight is not
+    recorded, so the same command measures it again, and the command ends as interrupted."""
 
 
 def age_s(path: Path) -> float | None:

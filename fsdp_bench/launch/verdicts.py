@@ -39,7 +39,9 @@ class Verdict(NamedTuple):
 
 
 def classify_failure(notes: list[dict[str, Any]], cancel_reason: str, state: str) -> Verdict:
-    """The run's status and reason; the root cause wins over its echoes.
+    """The run's status and reason; the root cause wins over its echoes. `interrupted`: a
+    signal reached the ranks, not the driver (a Ctrl-C the terminal gave the ranks alone):
+    the user's interruption, not a property of the run, which is never recorded so.
 
     A rank's OOM or error makes its peers fail too (timeouts, closed connections): those are
     not the cause, so oom > error > timeout among the notes. When the driver stopped the job,
@@ -63,6 +65,10 @@ def classify_failure(notes: list[dict[str, Any]], cancel_reason: str, state: str
     cause = root_cause()
     if cause:
         return cause
+    interrupted = [f"rank {n['rank']} ({n['hostname']})" for n in by_rank
+                   if n["class"] == "interrupted"]  # fmt: skip
+    if interrupted:
+        return Verdict("interrupted", f"a signal interrupted {', '.join(interrupted)}")
     seen = ", ".join(f"rank {n['rank']}: {n['class']}" for n in by_rank) or "no rank reported"
     reason = f"a rank ended without a report ({seen}; job state {state})"
     return Verdict("error", reason, unexplained=True)
