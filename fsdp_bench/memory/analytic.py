@@ -60,6 +60,7 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
         "sharded_parameters": sharded * stored,
         "sharded_gradients": sharded * stored,
         "optimizer_state": sharded * optimizer,
+        "optimizer_temporaries": _optimizer_temporaries(run, shape, sharded, stored, shard),
     }
     steady = steady_state_bytes(padded * stored, padded * stored, padded * optimizer, shard)
     if run.strategy == "ddp":
@@ -83,6 +84,24 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     return AnalyticEstimate(terms, peak_lower_bound(steady, largest, prefetch), host)
 
 
+def _optimizer_temporaries(
+    run: RunConfig, shape: ModelShape, sharded: float, stored: int, shard: int
+) -> float:
+    """What the optimizer step allocates besides the state: foreach AdamW keeps a square root
+    of every second moment at once (a state's worth), the for_loop one only the largest
+    parameter's, fused none (torch.optim.adamw's three implementations)."""
+    if run.train.optimizer != "adamw":
+        return 0.0
+    match run.train.optimizer_impl:
+        case "foreach":
+            return sharded * stored
+        case "for_loop":
+            rows, cols = max(_parameter_shapes(shape), key=lambda rc: rc[0] * rc[1])
+            return _padded(rows, cols, shard) / shard * stored
+        case _:
+            return 0.0
+
+
 def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> dict[str, float]:
     """Full parameters and gradients that exist while groups compute (FSDP/HSDP only)."""
     block = shape.block_params
@@ -102,15 +121,18 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
     largest = max(groups)
     typical = max(groups[:-1], default=largest)
     reshard = run.fsdp.reshard_after_forward
+    root_group = groups[-1] if len(groups) > 1 else 0  # FSDP2 keeps the root after forward
     kept: float
-    if reshard == "all_but_last":
-        kept = typical  # the last block group stays unsharded from forward to backward
+    if reshard is True:
+        kept = 0
     elif reshard is False or reshard == 1:
         kept = shape.num_params  # every group stays unsharded from forward to backward
-    elif isinstance(reshard, int) and not isinstance(reshard, bool):
+    elif reshard == "all_but_last":
+        kept = typical + root_group  # the last block group too: backward needs it first
+    elif isinstance(reshard, int):
         kept = shape.num_params / reshard  # resharded to groups of `reshard` ranks
-    else:
-        kept = 0
+    else:  # FSDP2's default: every group resharded but the root
+        kept = root_group
     depth = 1 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
     prefetched = 0 if len(groups) == 1 else depth * typical
     sync_last = run.train.grad_sync == "last" and run.train.accumulation_steps > 1
