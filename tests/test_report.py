@@ -652,10 +652,12 @@ def test_html_report_in_headless_chromium(
     assert all(image["complete"] and image["width"] > 0 for image in probe["images"]), probe
     best = summaries.best_per_world_size(load_results(quickstart_results), None)
     for _, row in best.iterrows():
-        tied = f"; tied with the best: {row['tied']}" if row["tied"] else ""
-        assert f"(run {row['run_id']}{tied})" in probe["text"]
+        assert f"(run {row['run_id']}" in probe["text"]
+        # each tied run named in the page, by its settings and id
+        assert all(f"({run_id})" in probe["text"] for run_id in row["tied"].split(", ") if run_id)
     headlines = re.findall(r'<p class="headline">(.*?)</p>', page, re.S)
-    assert len(headlines) == 2, "one line per world size"
+    sizes = [line for line in headlines if line.startswith("Best at world size")]
+    assert len(sizes) == 2, "one line per world size (DDP's followed by the fastest FSDP2)"
     assert all(html.unescape(line) in probe["text"] for line in headlines)
     for order in ("ascending", "descending"):
         tokens = [float(t.replace(",", "")) for t in probe[order]]
@@ -698,3 +700,17 @@ def test_the_verdict_names_the_fastest_fsdp2_configuration_beside_the_ddp_baseli
     fsdp_first = records.iloc[1:].assign(tie=["best", "", ""])
     assert summaries.verdict(fsdp_first, records) == ([], "f1")
     assert summaries.verdict(records.assign(status="oom", tie=""), records) == ([], None)
+
+
+def test_an_effect_without_matched_pairs_says_why_it_is_empty() -> None:
+    effects = pd.DataFrame({
+        "axis": ["prefetch", "prefetch"], "baseline": ["implicit", "implicit"],
+        "value": [1, 2], "pairs": [2, 0], "tokens_per_s_ratio": [1.1, math.nan],
+        "peak_memory_ratio": [1.0, math.nan],
+    })  # fmt: skip
+    table = tables.effects_table(effects)
+    assert table["note"].tolist() == [
+        "",
+        "the grid never ran 2 with everything else at a run of implicit: no effect claimed",
+    ]
+    assert "note" not in tables.effects_table(effects.iloc[:1])

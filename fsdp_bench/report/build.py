@@ -389,7 +389,34 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
             f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
             f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
         )
+        if run.get("strategy") == "ddp":
+            lines += _fastest_fsdp2(df, run, ids, columns)
+        competing = int((df["status"].eq("ok") & df["world_size"].eq(size)).sum())
+        if competing >= 3 and len(ids) + 1 > competing / 2:
+            lines.append(
+                f"No clear winner: {len(ids) + 1} of {competing} runs cannot be told apart "
+                "from the best; more passes (measure.rounds) would separate them."
+            )
     return "\n".join(lines)
+
+
+def _fastest_fsdp2(
+    df: pd.DataFrame, ddp: pd.Series, tied: list[str], columns: list[str]
+) -> list[str]:
+    """When the DDP baseline is the best, the fastest FSDP2 run of its world size beside it:
+    the configuration the user came for, never left unnamed."""
+    here = df[df["status"].eq("ok") & df["world_size"].eq(ddp["world_size"])]
+    fsdp = here[here["strategy"].ne("ddp")].sort_values("tokens_per_s", ascending=False)
+    if fsdp.empty:
+        return []
+    best = fsdp.iloc[0]
+    slower_pct = 100 * (1 - best["tokens_per_s"] / ddp["tokens_per_s"])
+    how = "tied with DDP" if best["run_id"] in tied else f"{slower_pct:.0f}% slower"
+    config = describe_config(best, [c for c in columns if c != "strategy"]) or "as above"
+    return [
+        f"Fastest FSDP2 configuration there: {config}: {best['tokens_per_s']:,.0f} tokens/s, "
+        f"{how}, peak {best['peak_memory_gib']:.3f} GiB per rank (run {best['run_id']})."
+    ]
 
 
 def _differences(

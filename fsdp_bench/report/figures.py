@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 
 def throughput_by_grouping(df: pd.DataFrame, canvas: Canvas) -> Figure:
-    """tokens/s per grouping x reshard_after_forward, a panel per world size; error bars span
-    the repeats (min to max)."""
+    """tokens/s per grouping x reshard_after_forward, a panel per world size; error bars are
+    95% intervals, the level the ranking's intervals and ties use."""
     name, title = "throughput_by_grouping", "tokens/s by grouping and reshard_after_forward"
     samples = data.grouping_samples(df)
     if samples.empty:
@@ -52,7 +52,8 @@ def throughput_by_grouping(df: pd.DataFrame, canvas: Canvas) -> Figure:
         col="world size",
         order=data.grouping_order(samples["grouping"]),
         estimator="median",
-        errorbar=("pi", 100),
+        errorbar=("ci", 95),
+        seed=0,
         capsize=0.15,
         err_kws={"linewidth": 1.2},
         height=3.6,
@@ -66,9 +67,10 @@ def throughput_by_grouping(df: pd.DataFrame, canvas: Canvas) -> Figure:
         thousands(ax.yaxis)
     if grid.legend is not None:
         grid.legend.set_title("reshard_after_forward")
-    grid.figure.suptitle(f"{title}\n{canvas.subject}", y=1.06)
+    grid.figure.suptitle(f"{title}\n{canvas.subject}", y=1.1)
     caption = (
-        "Bar: median tokens/s over the timed repeats; error bar: min to max over repeats. "
+        "Bar: median tokens/s over the timed repeats; error bar: its 95% bootstrap interval "
+        "over the repeats (the ranking's intervals and ties are 95% too). "
         "Other knobs at the grid's most common value; DDP not shown; a missing bar is a "
         "configuration that did not finish ok (see Runs by status)."
     )

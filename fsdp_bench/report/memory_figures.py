@@ -47,10 +47,14 @@ def memory_vs_throughput(df: pd.DataFrame, canvas: Canvas, budget_gib: float | N
         zorder=3,
     )
     _draw_front(fig, ax, data.pareto_listing(measured))
-    peaks = measured["peak_memory_gib"]
-    edge = budget_gib if budget_gib is not None else float(peaks.max()) * 1.05
-    if budget_gib is not None:
-        draw_budget(ax, budget_gib)
+    largest = float(measured["peak_memory_gib"].max())
+    # a budget far above every peak would squeeze the runs into a corner: it is named instead
+    shown_budget = budget_gib if budget_gib is not None and budget_gib <= 3 * largest else None
+    edge = shown_budget if shown_budget is not None else largest * 1.05
+    if shown_budget is not None:
+        draw_budget(ax, shown_budget)
+    elif budget_gib is not None:
+        ax.plot([], [], " ", label=f"budget {budget_gib:g} GiB, off the axis")
     if not failed.empty:
         ax.scatter(
             [edge] * len(failed),
@@ -62,8 +66,8 @@ def memory_vs_throughput(df: pd.DataFrame, canvas: Canvas, budget_gib: float | N
             clip_on=False,
             label=f"OOM / skipped ({len(failed)}), no measurement",
         )
-    ax.set_ylim(bottom=0)
-    ax.set_xlim(left=0, right=max(edge, float(peaks.max())) * 1.12)
+    ax.set_ylim(bottom=0, top=float(measured["tokens_per_s"].max()) * 1.1)  # no point clipped
+    ax.set_xlim(left=0, right=max(edge, largest) * 1.12)
     ax.set_xlabel("peak memory per rank (GiB)")
     ax.set_ylabel("tokens/s (all ranks)")
     thousands(ax.yaxis)

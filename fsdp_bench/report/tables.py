@@ -203,12 +203,19 @@ def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
         change=[
             f"{key(b)} → {key(v)}"
             for b, v in zip(effects["baseline"], effects["value"], strict=True)
-        ]
-    )
+        ],
+        note=[
+            "" if pairs else f"the grid never ran {key(v)} with everything else at a run of "
+            f"{key(b)}: no effect claimed"
+            for b, v, pairs in zip(effects["baseline"], effects["value"], effects["pairs"],
+                                   strict=True)
+        ],
+    )  # fmt: skip
     shown_columns = ["axis", "change", "pairs", "tokens_per_s_ratio"]
     shown_columns += [c for c in ("tokens_per_s_ratio_ci", "differs_from_1") if c in table]
+    notes = ["note"] if table["note"].any() else []
     return shown(
-        table[[*shown_columns, "peak_memory_ratio"]],
+        table[[*shown_columns, "peak_memory_ratio", *notes]],
         {
             "pairs": "matched pairs",
             "tokens_per_s_ratio": "tokens/s ×",
