@@ -445,6 +445,7 @@ def test_report_of_a_table_with_failures(hand_built: tuple[Path, dict[str, str]]
     assert ids["w2_block"] in summary and "budget" in (root / "report" / "report.html").read_text()
     page = (root / "report" / "report.html").read_text()
     assert "Why runs did not finish ok" in page and "collective timeout" in page
+    assert f"--print-launch {ids['w2_block']}" in page  # the best's launch, one command away
     assert "Why runs did not finish ok" in summary and "boom" in summary
 
 

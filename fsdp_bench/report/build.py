@@ -225,7 +225,10 @@ def _measured_sections(
         html_report.Section(
             "Best configuration per world size",
             _budget_text(budget, inputs.grid.margin_gib),
-            [("", report_tables.best_table(best))],
+            [
+                ("", report_tables.best_table(best)),
+                ("To run one again", _launch_table(inputs, best)),
+            ],
         ),
         html_report.Section(
             "Runs by status",
@@ -398,6 +401,26 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
                 "from the best; more passes (measure.rounds) would separate them."
             )
     return "\n".join(lines)
+
+
+def _launch_table(inputs: Inputs, best: pd.DataFrame) -> pd.DataFrame:
+    """The command that prints each best run's torchrun line, sbatch script and fully_shard
+    code (`fsdp-bench sweep --print-launch`), and the fastest FSDP2 run's where DDP is best."""
+    df, root = inputs.df, inputs.results_dir
+    good = df[summaries.fits(df, inputs.limit_gib)].drop_duplicates("run_id")
+    by_id = good.set_index("run_id")
+    rows = []
+    for run_id in best["run_id"].dropna():
+        chosen = [by_id.loc[run_id]]
+        if chosen[0].get("strategy") == "ddp":
+            here = good[good["world_size"].eq(chosen[0]["world_size"]) & good["strategy"].ne("ddp")]
+            fsdp = here.sort_values("tokens_per_s", ascending=False).head(1)
+            chosen += [by_id.loc[i] for i in fsdp["run_id"]]
+        for run in chosen:
+            command = f"fsdp-bench sweep {root / 'grid.yaml'} --results {root} --print-launch "
+            rows.append({"world size": int(run["world_size"]), "strategy": run["strategy"],
+                         "run": run.name, "command": command + str(run.name)})  # fmt: skip
+    return pd.DataFrame(rows, columns=["world size", "strategy", "run", "command"])
 
 
 def _fastest_fsdp2(
