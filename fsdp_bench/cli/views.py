@@ -236,6 +236,7 @@ def _tied_lines(
 ) -> list[str]:
     """The feasible runs that cannot be told apart from the best one by tokens/s
     (`fsdp_bench.stats.indistinguishable`); nothing when the search's metric is another."""
+    from fsdp_bench.report.configs import SCALE_COLUMNS, config_columns, named_apart, varying
     from fsdp_bench.report.ties import tied_with
     from fsdp_bench.search import feasible_run_ids
 
@@ -243,7 +244,12 @@ def _tied_lines(
         return []
     feasible = feasible_run_ids(outcome.study, ResultStore(outcome.results_dir), spec)
     tied = tied_with(results[results["run_id"].isin(feasible)], best_run_id)
-    return [f"tied with the best: {', '.join(tied)}"] if tied else []
+    if not tied:
+        return []
+    by_id = results.drop_duplicates("run_id").set_index("run_id")
+    columns = varying(results, config_columns(results, SCALE_COLUMNS))
+    best = by_id.loc[[best_run_id]].iloc[0]
+    return [f"tied with the best: {named_apart(by_id, tied, best, columns)}"]
 
 
 def _confirmation_lines(confirmation: Confirmation, spec: SweepSpec) -> list[str]:

@@ -30,7 +30,7 @@ from fsdp_bench.report.configs import (
     SCALE_COLUMNS,
     config_columns,
     describe_config,
-    key,
+    named_apart,
     one_per_configuration,
     varying,
 )
@@ -387,7 +387,7 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
         config = describe_config(run, columns) or "the only configuration"
         tied = row.get("tied")
         ids = tied.split(", ") if isinstance(tied, str) and tied else []
-        also = f"; tied with the best: {_differences(by_id, ids, run, columns)}" if ids else ""
+        also = f"; tied with the best: {named_apart(by_id, ids, run, columns)}" if ids else ""
         lines.append(
             f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
             f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
@@ -440,19 +440,6 @@ def _fastest_fsdp2(
         f"Fastest FSDP2 configuration there: {config}: {best['tokens_per_s']:,.0f} tokens/s, "
         f"{how}, peak {best['peak_memory_gib']:.3f} GiB per rank (run {best['run_id']})."
     ]
-
-
-def _differences(
-    by_id: pd.DataFrame, run_ids: list[str], best: pd.Series, columns: list[str]
-) -> str:
-    """Each run of `run_ids` by the settings where it differs from `best`, with its id."""
-    named = []
-    for run_id in run_ids:
-        run = by_id.loc[run_id]
-        assert isinstance(run, pd.Series)
-        changed = [c for c in columns if c in run and key(run[c]) != key(best.get(c))]
-        named.append(f"{describe_config(run, changed) or 'the same settings'} ({run_id})")
-    return "; ".join(named)
 
 
 def _clear_figures(out: Path) -> None:

@@ -162,3 +162,16 @@ def one_per_configuration(df: pd.DataFrame) -> pd.DataFrame:
     ranked = df.assign(_ok=df["status"].eq("ok"), _steps=steps, _key=config_keys(df, present))
     ranked = ranked.sort_values(["_ok", "_steps"], ascending=False, kind="stable")
     return df[df.index.isin(ranked.drop_duplicates("_key").index)]
+
+
+def named_apart(
+    by_id: pd.DataFrame, run_ids: list[str], best: pd.Series, columns: list[str]
+) -> str:
+    """Runs (of `by_id`, indexed by run id) named by the settings of `columns` where each
+    differs from `best`, with its id: how a reader tells tied runs apart."""
+    named = []
+    for run_id in run_ids:
+        run = by_id.loc[[run_id]].iloc[0]
+        changed = [c for c in columns if c in run and key(run[c]) != key(best.get(c))]
+        named.append(f"{describe_config(run, changed) or 'the same settings'} ({run_id})")
+    return "; ".join(named)
