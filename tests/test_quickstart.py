@@ -30,7 +30,7 @@ def test_quickstart_end_to_end(
     # a run timed beside something else says so; a DDP best is named beside the FSDP2 one
     assert launch == 2 + 33 + 1 + len(notes) + len(verdicts)
     noise = table[2 + 33]
-    assert noise.startswith("between-pass noise: ") and "pooled over 33 runs, 33 degrees" in noise
+    assert noise.startswith("between-pass noise: ")
     ranked_rows = [line.split() for line in table[2 : 2 + 33]]
     fsdp_rows = [row for row in ranked_rows if row[2] != "ddp"]
     best = fsdp_rows[0][0]  # the torchrun line that measures the fastest FSDP2 run again
@@ -52,6 +52,11 @@ def test_quickstart_end_to_end(
     assert set(CONTRACT) <= set(df.columns)
     assert set(df.status) == {"ok"}, df[df.status != "ok"][["run_id", "reason"]]
     assert set(df.world_size) == {1, 2}
+    # contended runs (a busy machine) stay out of the pooled noise; every quiet one is in it
+    contended = int(df["contended"].eq(True).sum())
+    quiet = 33 - contended
+    assert f"pooled over {quiet} runs, {quiet} degrees" in noise or quiet < 4, noise
+    assert (f"{contended} contended runs left out" in noise) == (contended > 0 and quiet >= 4)
     assert (df.tokens_per_s > 0).all() and (df.peak_memory_gib > 0).all()
     ranked = [line.split()[0] for line in table[2 : 2 + 33]]
     assert ranked == df.sort_values("tokens_per_s", ascending=False).run_id.tolist()

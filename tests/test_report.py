@@ -23,7 +23,7 @@ from fsdp_bench.cli.main import main
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.report import configs, figure_data, summaries, tables
+from fsdp_bench.report import configs, failures, figure_data, summaries, tables, ties
 from fsdp_bench.report.build import build_report, load
 from fsdp_bench.report.compare import compare_results
 from fsdp_bench.report.figure_data import MIB
@@ -454,7 +454,7 @@ def test_failure_reasons_one_row_per_status_and_reason(
 ) -> None:
     """What the sweep prints and the report lists: the rank that said it left out."""
     root, ids = hand_built
-    table = summaries.failure_reasons(load_results(root))
+    table = failures.failure_reasons(load_results(root))
     rows = {(r.status, r.reason): (r.runs, r.run_ids) for r in table.itertuples()}
     assert rows[("oom", "OOM")] == (1, ids["w2_root_true"])  # "rank 0: OOM"
     assert rows[("error", "boom")] == (1, ids["w2_linear_true"])
@@ -690,17 +690,17 @@ def test_the_verdict_names_the_fastest_fsdp2_configuration_beside_the_ddp_baseli
         "strategy": ["ddp", "fsdp", "fsdp", "fsdp"], "tokens_per_s": [1000.0, 900, 800, 700],
     })  # fmt: skip
     clear = records.assign(tie=["best", "", "", ""])
-    assert summaries.verdict(clear, records) == (
+    assert ties.verdict(clear, records) == (
         ["fastest: the DDP baseline (run d); the fastest FSDP2 configuration: run f1, 10% slower"],
         "f1",
     )
     tied = records.assign(tie=["best", "tied", "tied", ""])
-    lines, chosen = summaries.verdict(tied, records)
+    lines, chosen = ties.verdict(tied, records)
     assert chosen == "f1" and lines[0].endswith("run f1, tied with it")
     assert lines[1].startswith("no clear winner: 3 of 4 runs cannot be told apart")
     fsdp_first = records.iloc[1:].assign(tie=["best", "", ""])
-    assert summaries.verdict(fsdp_first, records) == ([], "f1")
-    assert summaries.verdict(records.assign(status="oom", tie=""), records) == ([], None)
+    assert ties.verdict(fsdp_first, records) == ([], "f1")
+    assert ties.verdict(records.assign(status="oom", tie=""), records) == ([], None)
 
 
 def test_an_effect_without_matched_pairs_says_why_it_is_empty() -> None:

@@ -18,7 +18,7 @@ from fsdp_bench.config.grid import parse_grid
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import summaries, tables, ties
-from fsdp_bench.report.build import headline_text
+from fsdp_bench.report.headline import headline_text
 from fsdp_bench.search import SearchOutcome
 from fsdp_bench.stats import (
     Estimate,
@@ -264,7 +264,8 @@ def test_best_per_world_size_and_headline_list_the_tied(
     assert best["tied"].tolist() == [ids["root"]]
     assert "tied with the best" in tables.best_table(best).columns
     headline = headline_text(df, best)
-    assert f"(run {ids['block']}; tied with the best: {ids['root']})." in headline
+    assert f"(run {ids['block']}; tied with the best: grouping=root ({ids['root']}))." in headline
+    assert "No clear winner: 2 of 3 runs cannot be told apart from the best" in headline
     over = summaries.best_per_world_size(df, 2.5)  # root is over this budget: no tie left
     assert over["tied"].tolist() == [""] and "tied" not in headline_text(df, over)
 
@@ -283,7 +284,7 @@ def test_the_search_output_lists_the_tied(three_runs: tuple[Path, dict[str, str]
     lines = text.splitlines()
     best_at = next(i for i, line in enumerate(lines) if line.startswith("best feasible:"))
     assert ids["block"] in lines[best_at]
-    assert lines[best_at + 1] == f"tied with the best: {ids['root']}"
+    assert lines[best_at + 1] == f"tied with the best: grouping=root ({ids['root']})"
 
 
 def test_effects_have_an_interval_and_say_whether_they_differ_from_1(tmp_path: Path) -> None:

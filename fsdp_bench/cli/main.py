@@ -361,10 +361,10 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
 
 def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
     """The ranking of `run_ids` with its notes; the id of the run to give a launch line for,
-    the fastest FSDP2 configuration (`summaries.verdict`; None: no run ok)."""
-    from fsdp_bench.report.summaries import failure_reasons, verdict
+    the fastest FSDP2 configuration (`ties.verdict`; None: no run ok)."""
+    from fsdp_bench.report.failures import failure_reasons
     from fsdp_bench.report.tables import format_ranking, ranking
-    from fsdp_bench.report.ties import noise_text
+    from fsdp_bench.report.ties import noise_text, verdict
     from fsdp_bench.store import load_results
 
     df = load_results(results_dir)

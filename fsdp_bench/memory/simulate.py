@@ -12,7 +12,7 @@ its breakdown, the allocator's) comes from it. Whether the repetition holds is c
 each run: the trace deepened by one period must be the simulated one of that depth, in order
 and stream, sizes that hold every block (a root group's all-gather, DDP's buckets) growing as
 they grew there; runs alike but for their world size share one check (`simulate_alike`).
-Where it does not hold, the whole model's allocations are recorded and read the same way.
+Where it does not hold, the whole model's step is simulated under the tracker.
 """
 
 from __future__ import annotations
@@ -55,16 +55,7 @@ def simulate(
     if extrapolate:
         return simulate_alike([run], device_type=device_type)[0]
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
-    start = time.perf_counter()
-    report = simulate_step(run, device_type)
-    return _on_device(
-        report.peak_bytes,
-        report.breakdown_bytes,
-        "full",
-        time.perf_counter() - start,
-        (report.offloaded_shard_bytes, report.offloaded_state_bytes),
-        (report.allocated_bytes, report.reserved_bytes),
-    )
+    return _whole(run, device_type, time.perf_counter())
 
 
 def simulate_alike(runs: list[RunConfig], *, device_type: str = "cpu") -> list[SimulatedEstimate]:
@@ -87,20 +78,23 @@ def simulate_alike(runs: list[RunConfig], *, device_type: str = "cpu") -> list[S
                 estimate, checked = _deepened(run, device_type, plan, checked, start)
             except CannotDeepen:
                 refused = True  # the others' traces are alike: trace them whole too
-        out.append(estimate or _traced_whole(run, device_type, start))
+        out.append(estimate or _whole(run, device_type, start))
     return out
 
 
-def _traced_whole(run: RunConfig, device_type: str, start: float) -> SimulatedEstimate:
-    """The estimate from the whole model's recorded allocations (their live peak is the
-    tracker's, to the byte): for a model whose trace cannot be deepened."""
-    whole = record_step(run, device_type)
-    peak, breakdown = whole.trace.live_peak("step", with_inputs=run.strategy == "ddp")
-    cuda = device_type == "cuda"
-    expandable = run.train.expandable_segments
-    allocator = whole.trace.allocator_peaks(expandable=expandable) if cuda else (0, 0)
-    wall_s = time.perf_counter() - start
-    return _on_device(peak, breakdown, "traced whole", wall_s, whole.offloaded, allocator)
+def _whole(run: RunConfig, device_type: str, start: float) -> SimulatedEstimate:
+    """The whole model's step under the tracker (the allocator's figures from its recorded
+    allocations): the reference the others meet, and the estimate where a trace cannot be
+    deepened."""
+    report = simulate_step(run, device_type)
+    return _on_device(
+        report.peak_bytes,
+        report.breakdown_bytes,
+        "full",
+        time.perf_counter() - start,
+        (report.offloaded_shard_bytes, report.offloaded_state_bytes),
+        (report.allocated_bytes, report.reserved_bytes),
+    )
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,10 @@ from fsdp_bench.report import study as study_data
 from fsdp_bench.report import tables as report_tables
 from fsdp_bench.report.canvas import Canvas, Figure
 from fsdp_bench.report.configs import (
-    SCALE_COLUMNS,
-    config_columns,
-    describe_config,
-    named_apart,
     one_per_configuration,
-    varying,
 )
+from fsdp_bench.report.failures import failure_reasons
+from fsdp_bench.report.headline import headline_text, launch_table
 from fsdp_bench.report.markdown import markdown_summary
 from fsdp_bench.store import load_results, write_atomic
 
@@ -219,23 +216,8 @@ def _measured_sections(
     ]
     step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
-    status = report_tables.status_table(summaries.status_counts(df))
-    failures = summaries.failure_reasons(df).drop(columns="run_ids")
     sections = [
-        html_report.Section(
-            "Best configuration per world size",
-            _budget_text(budget, inputs.grid.margin_gib),
-            [
-                ("", report_tables.best_table(best)),
-                ("To run one again", _launch_table(inputs, best)),
-            ],
-        ),
-        html_report.Section(
-            "Runs by status",
-            "",
-            [("", status)] + ([("Why runs did not finish ok", failures)] if len(failures) else []),
-            in_summary=True,
-        ),
+        *_best_and_status_sections(inputs, best),
         html_report.Section("Throughput and memory", "", figures=list(drawn)),
         html_report.Section(
             "Where a step's time goes",
@@ -267,6 +249,28 @@ def _measured_sections(
         ),
     ]
     return sections, [*drawn, step_figure, scaling_figure]
+
+
+def _best_and_status_sections(inputs: Inputs, best: pd.DataFrame) -> list[html_report.Section]:
+    """The best run per world size (with how to run each again) and the runs by status (with
+    why those that did not finish ok stopped)."""
+    df = inputs.df
+    status = report_tables.status_table(summaries.status_counts(df))
+    failures = failure_reasons(df).drop(columns="run_ids")
+    again = launch_table(df, inputs.results_dir, inputs.limit_gib, best)
+    return [
+        html_report.Section(
+            "Best configuration per world size",
+            _budget_text(inputs.budget_gib, inputs.grid.margin_gib),
+            [("", report_tables.best_table(best)), ("To run one again", again)],
+        ),
+        html_report.Section(
+            "Runs by status",
+            "",
+            [("", status)] + ([("Why runs did not finish ok", failures)] if len(failures) else []),
+            in_summary=True,
+        ),
+    ]
 
 
 ESTIMATE_TEXT = (
@@ -369,77 +373,6 @@ def _measured_again(df: pd.DataFrame) -> dict[str, str]:
         "measured again": f"{count} {what} measured again (a search's confirmation round, "
         "other measurement settings): the record with the most timed steps stands for each"
     }
-
-
-def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
-    """One sentence per world size: the best configuration spelled out and its numbers, and
-    the runs tied with it (`best_per_world_size`'s `tied`)."""
-    columns = varying(df, config_columns(df, SCALE_COLUMNS))
-    by_id = df.drop_duplicates("run_id").set_index("run_id")
-    lines = []
-    for _, row in best.iterrows():
-        size = int(row["world_size"])
-        if not isinstance(row["run_id"], str):
-            lines.append(f"World size {size}: no configuration fits ({row['note']}).")
-            continue
-        run = by_id.loc[str(row["run_id"])]
-        assert isinstance(run, pd.Series)
-        config = describe_config(run, columns) or "the only configuration"
-        tied = row.get("tied")
-        ids = tied.split(", ") if isinstance(tied, str) and tied else []
-        also = f"; tied with the best: {named_apart(by_id, ids, run, columns)}" if ids else ""
-        lines.append(
-            f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
-            f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
-        )
-        if run.get("strategy") == "ddp":
-            lines += _fastest_fsdp2(df, run, ids, columns)
-        competing = int((df["status"].eq("ok") & df["world_size"].eq(size)).sum())
-        if competing >= 3 and len(ids) + 1 > competing / 2:
-            lines.append(
-                f"No clear winner: {len(ids) + 1} of {competing} runs cannot be told apart "
-                "from the best; more passes (measure.rounds) would separate them."
-            )
-    return "\n".join(lines)
-
-
-def _launch_table(inputs: Inputs, best: pd.DataFrame) -> pd.DataFrame:
-    """The command that prints each best run's torchrun line, sbatch script and fully_shard
-    code (`fsdp-bench sweep --print-launch`), and the fastest FSDP2 run's where DDP is best."""
-    df, root = inputs.df, inputs.results_dir
-    good = df[summaries.fits(df, inputs.limit_gib)].drop_duplicates("run_id")
-    by_id = good.set_index("run_id")
-    rows = []
-    for run_id in best["run_id"].dropna():
-        chosen = [by_id.loc[run_id]]
-        if chosen[0].get("strategy") == "ddp":
-            here = good[good["world_size"].eq(chosen[0]["world_size"]) & good["strategy"].ne("ddp")]
-            fsdp = here.sort_values("tokens_per_s", ascending=False).head(1)
-            chosen += [by_id.loc[i] for i in fsdp["run_id"]]
-        for run in chosen:
-            command = f"fsdp-bench sweep {root / 'grid.yaml'} --results {root} --print-launch "
-            rows.append({"world size": int(run["world_size"]), "strategy": run["strategy"],
-                         "run": run.name, "command": command + str(run.name)})  # fmt: skip
-    return pd.DataFrame(rows, columns=["world size", "strategy", "run", "command"])
-
-
-def _fastest_fsdp2(
-    df: pd.DataFrame, ddp: pd.Series, tied: list[str], columns: list[str]
-) -> list[str]:
-    """When the DDP baseline is the best, the fastest FSDP2 run of its world size beside it:
-    the configuration the user came for, never left unnamed."""
-    here = df[df["status"].eq("ok") & df["world_size"].eq(ddp["world_size"])]
-    fsdp = here[here["strategy"].ne("ddp")].sort_values("tokens_per_s", ascending=False)
-    if fsdp.empty:
-        return []
-    best = fsdp.iloc[0]
-    slower_pct = 100 * (1 - best["tokens_per_s"] / ddp["tokens_per_s"])
-    how = "tied with DDP" if best["run_id"] in tied else f"{slower_pct:.0f}% slower"
-    config = describe_config(best, [c for c in columns if c != "strategy"]) or "as above"
-    return [
-        f"Fastest FSDP2 configuration there: {config}: {best['tokens_per_s']:,.0f} tokens/s, "
-        f"{how}, peak {best['peak_memory_gib']:.3f} GiB per rank (run {best['run_id']})."
-    ]
 
 
 def _clear_figures(out: Path) -> None:

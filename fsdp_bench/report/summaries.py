@@ -8,7 +8,6 @@ failures in some cells) and returns an empty frame rather than raising when noth
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import pandas as pd
@@ -37,57 +36,6 @@ def status_category(status: str, reason: str) -> str:
         return status
     why = (reason or "").split(":")[0].split()
     return f"skipped: {why[0]}" if why else "skipped"
-
-
-def verdict(ranked: pd.DataFrame, records: pd.DataFrame) -> tuple[list[str], str | None]:
-    """What a ranking (`tables.ranking`, fastest first) means, in lines under it, and the run
-    whose launch line to give: the fastest FSDP2 configuration, what the user came for, with
-    the DDP baseline named beside it when it is faster; and, when most runs cannot be told
-    apart from the best, that there is no clear winner (None: no run finished ok)."""
-    ok = ranked[ranked["status"] == "ok"] if "status" in ranked else ranked.iloc[0:0]
-    if ok.empty:
-        return [], None
-    by_id = records.drop_duplicates("run_id").set_index("run_id")
-    is_ddp = ok["run_id"].map(by_id["strategy"]).eq("ddp").to_numpy()
-    speed = ok["run_id"].map(by_id["tokens_per_s"]).to_numpy()
-    lines = []
-    chosen = next((i for i, ddp in enumerate(is_ddp) if not ddp), 0)
-    if is_ddp[0] and chosen:
-        tied = "tie" in ok and ok["tie"].iloc[chosen] == "tied"
-        how = "tied with it" if tied else f"{100 * (1 - speed[chosen] / speed[0]):.0f}% slower"
-        lines.append(
-            f"fastest: the DDP baseline (run {ok['run_id'].iloc[0]}); the fastest FSDP2 "
-            f"configuration: run {ok['run_id'].iloc[chosen]}, {how}"
-        )
-    tied_count = int(ok["tie"].eq("tied").sum()) if "tie" in ok else 0
-    if len(ok) >= 3 and tied_count + 1 > len(ok) / 2:
-        lines.append(
-            f"no clear winner: {tied_count + 1} of {len(ok)} runs cannot be told apart from "
-            "the best; more passes (measure.rounds) would separate them"
-        )
-    return lines, str(ok["run_id"].iloc[chosen])
-
-
-def failure_reasons(df: pd.DataFrame, width: int = 160) -> pd.DataFrame:
-    """Why runs did not finish ok: one row per status and distinct reason (its first line, the
-    rank and host that said it left out, so one failure on every rank is one row), with the
-    number of runs and their ids; most runs first."""
-    columns = ["status", "reason", "runs", "run_ids"]
-    if df.empty or "status" not in df:
-        return pd.DataFrame(columns=columns)
-    failed = df[df["status"] != "ok"].drop_duplicates("run_id")
-    reasons = failed["reason"] if "reason" in failed else pd.Series("", index=failed.index)
-    short = [_short_reason(r, width) for r in reasons]
-    groups = failed.assign(short=short).groupby(["status", "short"], sort=False)["run_id"]
-    rows = [(status, reason, len(ids), ", ".join(ids)) for (status, reason), ids in groups]
-    table = pd.DataFrame(rows, columns=columns)
-    return table.sort_values("runs", ascending=False, kind="stable").reset_index(drop=True)
-
-
-def _short_reason(reason: object, width: int) -> str:
-    text = reason if isinstance(reason, str) and reason.strip() else "no reason recorded"
-    first = re.sub(r"^rank \d+( \([^)]*\))?: ", "", text.strip().splitlines()[0])
-    return first if len(first) <= width else first[: width - 3] + "..."
 
 
 def status_counts(df: pd.DataFrame) -> pd.DataFrame:

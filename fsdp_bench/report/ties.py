@@ -96,3 +96,32 @@ def interval(low: Any, high: Any) -> tuple[float, float] | None:
     if low is None or high is None or pd.isna(low) or pd.isna(high):
         return None
     return float(low), float(high)
+
+
+def verdict(ranked: pd.DataFrame, records: pd.DataFrame) -> tuple[list[str], str | None]:
+    """What a ranking (`tables.ranking`, fastest first) means, in lines under it, and the run
+    whose launch line to give: the fastest FSDP2 configuration, what the user came for, with
+    the DDP baseline named beside it when it is faster; and, when most runs cannot be told
+    apart from the best, that there is no clear winner (None: no run finished ok)."""
+    ok = ranked[ranked["status"] == "ok"] if "status" in ranked else ranked.iloc[0:0]
+    if ok.empty:
+        return [], None
+    by_id = records.drop_duplicates("run_id").set_index("run_id")
+    is_ddp = ok["run_id"].map(by_id["strategy"]).eq("ddp").to_numpy()
+    speed = ok["run_id"].map(by_id["tokens_per_s"]).to_numpy()
+    lines = []
+    chosen = next((i for i, ddp in enumerate(is_ddp) if not ddp), 0)
+    if is_ddp[0] and chosen:
+        tied = "tie" in ok and ok["tie"].iloc[chosen] == "tied"
+        how = "tied with it" if tied else f"{100 * (1 - speed[chosen] / speed[0]):.0f}% slower"
+        lines.append(
+            f"fastest: the DDP baseline (run {ok['run_id'].iloc[0]}); the fastest FSDP2 "
+            f"configuration: run {ok['run_id'].iloc[chosen]}, {how}"
+        )
+    tied_count = int(ok["tie"].eq("tied").sum()) if "tie" in ok else 0
+    if len(ok) >= 3 and tied_count + 1 > len(ok) / 2:
+        lines.append(
+            f"no clear winner: {tied_count + 1} of {len(ok)} runs cannot be told apart from "
+            "the best; more passes (measure.rounds) would separate them"
+        )
+    return lines, str(ok["run_id"].iloc[chosen])

@@ -1,0 +1,89 @@
+"""The lines a report opens with (the best configuration per world size, the fastest FSDP2
+one beside a DDP best, whether there is a clear winner) and how to run a best one again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from fsdp_bench.report import summaries
+from fsdp_bench.report.configs import (
+    SCALE_COLUMNS,
+    config_columns,
+    describe_config,
+    named_apart,
+    varying,
+)
+
+
+def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
+    """One sentence per world size: the best configuration spelled out and its numbers, and
+    the runs tied with it (`best_per_world_size`'s `tied`)."""
+    columns = varying(df, config_columns(df, SCALE_COLUMNS))
+    by_id = df.drop_duplicates("run_id").set_index("run_id")
+    lines = []
+    for _, row in best.iterrows():
+        size = int(row["world_size"])
+        if not isinstance(row["run_id"], str):
+            lines.append(f"World size {size}: no configuration fits ({row['note']}).")
+            continue
+        run = by_id.loc[str(row["run_id"])]
+        assert isinstance(run, pd.Series)
+        config = describe_config(run, columns) or "the only configuration"
+        tied = row.get("tied")
+        ids = tied.split(", ") if isinstance(tied, str) and tied else []
+        also = f"; tied with the best: {named_apart(by_id, ids, run, columns)}" if ids else ""
+        lines.append(
+            f"Best at world size {size}: {config}: {row['tokens_per_s']:,.0f} tokens/s, "
+            f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
+        )
+        if run.get("strategy") == "ddp":
+            lines += fastest_fsdp2(df, run, ids, columns)
+        competing = int((df["status"].eq("ok") & df["world_size"].eq(size)).sum())
+        if competing >= 3 and len(ids) + 1 > competing / 2:
+            lines.append(
+                f"No clear winner: {len(ids) + 1} of {competing} runs cannot be told apart "
+                "from the best; more passes (measure.rounds) would separate them."
+            )
+    return "\n".join(lines)
+
+
+def launch_table(
+    df: pd.DataFrame, root: Path, limit_gib: float | None, best: pd.DataFrame
+) -> pd.DataFrame:
+    """The command that prints each best run's torchrun line, sbatch script and fully_shard
+    code (`fsdp-bench sweep --print-launch`), and the fastest FSDP2 run's where DDP is best."""
+    good = df[summaries.fits(df, limit_gib)].drop_duplicates("run_id")
+    by_id = good.set_index("run_id")
+    rows = []
+    for run_id in best["run_id"].dropna():
+        chosen = [by_id.loc[run_id]]
+        if chosen[0].get("strategy") == "ddp":
+            here = good[good["world_size"].eq(chosen[0]["world_size"]) & good["strategy"].ne("ddp")]
+            fsdp = here.sort_values("tokens_per_s", ascending=False).head(1)
+            chosen += [by_id.loc[i] for i in fsdp["run_id"]]
+        for run in chosen:
+            command = f"fsdp-bench sweep {root / 'grid.yaml'} --results {root} --print-launch "
+            rows.append({"world size": int(run["world_size"]), "strategy": run["strategy"],
+                         "run": run.name, "command": command + str(run.name)})  # fmt: skip
+    return pd.DataFrame(rows, columns=["world size", "strategy", "run", "command"])
+
+
+def fastest_fsdp2(
+    df: pd.DataFrame, ddp: pd.Series, tied: list[str], columns: list[str]
+) -> list[str]:
+    """When the DDP baseline is the best, the fastest FSDP2 run of its world size beside it:
+    the configuration the user came for, never left unnamed."""
+    here = df[df["status"].eq("ok") & df["world_size"].eq(ddp["world_size"])]
+    fsdp = here[here["strategy"].ne("ddp")].sort_values("tokens_per_s", ascending=False)
+    if fsdp.empty:
+        return []
+    best = fsdp.iloc[0]
+    slower_pct = 100 * (1 - best["tokens_per_s"] / ddp["tokens_per_s"])
+    how = "tied with DDP" if best["run_id"] in tied else f"{slower_pct:.0f}% slower"
+    config = describe_config(best, [c for c in columns if c != "strategy"]) or "as above"
+    return [
+        f"Fastest FSDP2 configuration there: {config}: {best['tokens_per_s']:,.0f} tokens/s, "
+        f"{how}, peak {best['peak_memory_gib']:.3f} GiB per rank (run {best['run_id']})."
+    ]
