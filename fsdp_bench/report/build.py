@@ -184,7 +184,7 @@ def build_report(
     doc = html_report.Document(
         title=f"fsdp-bench report: {inputs.grid.name}",
         subtitle=canvas.subject,
-        headline=headline_text(df, best),
+        headline=headline_text(df, best, inputs.limit_gib),
         sections=sections,
         provenance=provenance_table(inputs),
         grid_text=inputs.grid.text,

@@ -17,10 +17,13 @@ from fsdp_bench.report.configs import (
 )
 
 
-def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
+def headline_text(df: pd.DataFrame, best: pd.DataFrame, limit_gib: float | None = None) -> str:
     """One sentence per world size: the best configuration spelled out and its numbers, and
-    the runs tied with it (`best_per_world_size`'s `tied`)."""
+    the runs tied with it (`best_per_world_size`'s `tied`, among the runs within
+    `limit_gib`); a DDP best followed by the fastest FSDP2 run, and "no clear winner" when
+    most runs tie."""
     columns = varying(df, config_columns(df, SCALE_COLUMNS))
+    good = df[summaries.fits(df, limit_gib)].drop_duplicates("run_id")
     by_id = df.drop_duplicates("run_id").set_index("run_id")
     lines = []
     for _, row in best.iterrows():
@@ -39,8 +42,8 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame) -> str:
             f"peak {row['peak_memory_gib']:.3f} GiB per rank (run {row['run_id']}{also})."
         )
         if run.get("strategy") == "ddp":
-            lines += fastest_fsdp2(df, run, ids, columns)
-        competing = int((df["status"].eq("ok") & df["world_size"].eq(size)).sum())
+            lines += _fastest_fsdp2_line(good, run, ids, columns)
+        competing = int(good["world_size"].eq(size).sum())
         if competing >= 3 and len(ids) + 1 > competing / 2:
             lines.append(
                 f"No clear winner: {len(ids) + 1} of {competing} runs cannot be told apart "
@@ -60,9 +63,8 @@ def launch_table(
     for run_id in best["run_id"].dropna():
         chosen = [by_id.loc[run_id]]
         if chosen[0].get("strategy") == "ddp":
-            here = good[good["world_size"].eq(chosen[0]["world_size"]) & good["strategy"].ne("ddp")]
-            fsdp = here.sort_values("tokens_per_s", ascending=False).head(1)
-            chosen += [by_id.loc[i] for i in fsdp["run_id"]]
+            fsdp = _fastest_fsdp2(good, chosen[0]["world_size"])
+            chosen += [] if fsdp is None else [by_id.loc[fsdp["run_id"]]]
         for run in chosen:
             command = f"fsdp-bench sweep {root / 'grid.yaml'} --results {root} --print-launch "
             rows.append({"world size": int(run["world_size"]), "strategy": run["strategy"],
@@ -70,16 +72,20 @@ def launch_table(
     return pd.DataFrame(rows, columns=["world size", "strategy", "run", "command"])
 
 
-def fastest_fsdp2(
-    df: pd.DataFrame, ddp: pd.Series, tied: list[str], columns: list[str]
+def _fastest_fsdp2(good: pd.DataFrame, world_size: int) -> pd.Series | None:
+    """The fastest FSDP2 run of `good` (the runs within the budget) at `world_size`."""
+    here = good[good["world_size"].eq(world_size) & good["strategy"].ne("ddp")]
+    return None if here.empty else here.sort_values("tokens_per_s", ascending=False).iloc[0]
+
+
+def _fastest_fsdp2_line(
+    good: pd.DataFrame, ddp: pd.Series, tied: list[str], columns: list[str]
 ) -> list[str]:
     """When the DDP baseline is the best, the fastest FSDP2 run of its world size beside it:
     the configuration the user came for, never left unnamed."""
-    here = df[df["status"].eq("ok") & df["world_size"].eq(ddp["world_size"])]
-    fsdp = here[here["strategy"].ne("ddp")].sort_values("tokens_per_s", ascending=False)
-    if fsdp.empty:
+    best = _fastest_fsdp2(good, ddp["world_size"])
+    if best is None:
         return []
-    best = fsdp.iloc[0]
     slower_pct = 100 * (1 - best["tokens_per_s"] / ddp["tokens_per_s"])
     how = "tied with DDP" if best["run_id"] in tied else f"{slower_pct:.0f}% slower"
     config = describe_config(best, [c for c in columns if c != "strategy"]) or "as above"
