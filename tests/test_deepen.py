@@ -25,6 +25,7 @@ CONFIGS = {
     "every-2": {"fsdp": FsdpConfig(activation_checkpointing="every_2")},
     "selective-op": {"fsdp": FsdpConfig(activation_checkpointing="selective_op")},
     "all-but-last": {"fsdp": FsdpConfig(reshard_after_forward="all_but_last")},
+    "reshard-to-2": {"fsdp": FsdpConfig(reshard_after_forward=2)},
     "bf16-reduce": {"fsdp": FsdpConfig(mixed_precision="bf16", reduce_dtype="bf16")},
     "accumulate-last": {"train": TrainConfig(accumulation_steps=2, grad_sync="last")},
     "clipped-fused": {"train": TrainConfig(max_grad_norm=1.0, optimizer_impl="fused")},
@@ -110,3 +111,20 @@ def test_runs_alike_but_for_world_size_share_one_check_and_keep_their_own_figure
                for found in (shared, alone)]  # fmt: skip
     assert figures[0] == figures[1]
     assert len({peak for peak, _, _ in figures[0]}) == 3  # the shards' sizes differ
+
+
+def test_a_rotary_table_is_not_taken_for_a_blocks_post_forward_shard() -> None:
+    """Llama-3-8B at 64 ranks resharded to 8 after forward: each block's post-forward shard of
+    wk (1 MiB) has the size of the rotary tables made before block 0, which are freed as
+    forward ends. Matched by size alone, block 0's table was a copy of the shards, its free
+    moved with the head, and the run fell back to the whole model (32 s instead of 2)."""
+    from fsdp_bench.memory.simulate import simulate
+
+    run = RunConfig(
+        world_size=64,
+        model=ModelConfig(name="llama3-8b"),
+        data=DataConfig(micro_batch_size=1, seq_len=4096),
+        fsdp=FsdpConfig(reshard_after_forward=8, mixed_precision="bf16",
+                        activation_checkpointing="block"),
+    ).canonical()  # fmt: skip
+    assert simulate(run, device_type="cuda").method.startswith("deepened from 4 blocks")

@@ -97,9 +97,11 @@ def deepen(
     template = range(template_start, template_start + period)
     tags = _effective_tags(trace)
     sweeps = _sweeps(tags, period)
+    freed_in = _freeing_sweeps(trace, sweeps)
     role: dict[Any, tuple[int, int, int, int | None]] = {}
     for number, runs in enumerate(sweeps):
-        for run, aligned in zip(runs, _alignments(trace, runs, template), strict=True):
+        alignments = _alignments(trace, runs, template, freed_in)
+        for run, aligned in zip(runs, alignments, strict=True):
             for position, event_index in enumerate(run.positions):
                 event = trace.events[event_index]
                 if event[0] != "alloc":
@@ -237,7 +239,9 @@ def _expanded(
     return moved[: len(before)] + repeated + moved[len(before) :]
 
 
-def _alignments(trace: AllocationTrace, runs: list[_Run], template: range) -> list[dict[int, int]]:
+def _alignments(
+    trace: AllocationTrace, runs: list[_Run], template: range, freed_in: dict[Any, int]
+) -> list[dict[int, int]]:
     """Which events of each run are the ones all blocks share, by their position in the
     template run of the same block of the period: every event of a run alike; for the first
     block's runs (the embedding before its forward, a second prefetch, the embedding's
@@ -247,8 +251,8 @@ def _alignments(trace: AllocationTrace, runs: list[_Run], template: range) -> li
     alignments = []
     for run in runs:
         model = by_tag.get(template[0] + (run.tag - template[0]) % len(template))
-        mine = _signature(trace, run)
-        theirs = mine if model is None else _signature(trace, model)
+        mine = _signature(trace, run, freed_in)
+        theirs = mine if model is None else _signature(trace, model, freed_in)
         if mine == theirs:
             alignments.append(dict(zip(range(len(mine)), range(len(mine)), strict=True)))
             continue
@@ -259,11 +263,30 @@ def _alignments(trace: AllocationTrace, runs: list[_Run], template: range) -> li
     return alignments
 
 
-def _signature(trace: AllocationTrace, run: _Run) -> list[tuple[Any, ...]]:
-    return [
-        ("alloc", *trace.events[p][2:]) if trace.events[p][0] == "alloc" else ("free",)
-        for p in run.positions
-    ]
+def _signature(
+    trace: AllocationTrace, run: _Run, freed_in: dict[Any, int]
+) -> list[tuple[Any, ...]]:
+    """A run's events as matched to the template's: an allocation by its size, stream and the
+    sweep that frees it (the model's rotary table made in block 0's forward and freed as
+    forward ends is not a block's post-forward shard of the same size, freed in backward)."""
+    out: list[tuple[Any, ...]] = []
+    for position in run.positions:
+        event = trace.events[position]
+        if event[0] == "alloc":
+            out.append(("alloc", *event[2:], freed_in.get(event[1])))
+        else:
+            out.append(("free",))
+    return out
+
+
+def _freeing_sweeps(trace: AllocationTrace, sweeps: list[list[_Run]]) -> dict[Any, int]:
+    """The sweep whose events free each allocation (-1: an untagged event between sweeps)."""
+    sweep_at = {p: number for number, runs in enumerate(sweeps) for r in runs for p in r.positions}
+    return {
+        event[1]: sweep_at.get(position, -1)
+        for position, event in enumerate(trace.events)
+        if event[0] == "free"
+    }
 
 
 def _effective_tags(trace: AllocationTrace) -> list[int | None]:
