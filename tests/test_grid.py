@@ -126,6 +126,27 @@ def test_ddp_runs_ignore_fsdp_only_settings() -> None:
     assert expansion.collapsed == 2
 
 
+def test_one_group_for_the_whole_model_is_never_resharded_after_forward() -> None:
+    """FSDP2 keeps the root group unsharded after forward unless asked explicitly: with
+    `grouping: root` false is the default, one run; true and an int reshard it, runs of
+    their own."""
+    expansion = expand(
+        parse_grid(
+            grid(
+                base={"world_size": 4},
+                axes={
+                    "fsdp.grouping": ["root", "block"],
+                    "fsdp.reshard_after_forward": ["default", False, True, 2],
+                }
+            )
+        )
+    )
+    root = [r.fsdp.reshard_after_forward for r in expansion.runs if r.fsdp.grouping == "root"]
+    assert sorted(map(str, root)) == ["2", "True", "default"]
+    assert expansion.collapsed == 1
+    assert len(expansion.runs) == 7
+
+
 def test_grouping_list_form_is_canonical() -> None:
     runs = runs_of(
         grid(base={"fsdp": {"grouping": ["layers.*.attention", "layers.*.feed_forward"]}})

@@ -265,13 +265,19 @@ class RunConfig:
         """Settings that cannot matter reset to defaults, so equal runs get equal ids.
 
         Under DDP the FSDP-only knobs (FSDP_ONLY_FIELDS) do nothing;
-        outside hsdp the shard group is every rank.
+        outside hsdp the shard group is every rank. With one group for the whole model
+        (`grouping: root`), reshard_after_forward false is FSDP2's default: the root group
+        is not resharded after forward unless asked explicitly (true, an int;
+        torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_lazy_init`).
         """
         if self.strategy == "fsdp" and self.fsdp.shard_group_size is not None:
             return dataclasses.replace(
                 self, fsdp=dataclasses.replace(self.fsdp, shard_group_size=None)
-            )
+            ).canonical()
         if self.strategy != "ddp":
+            if self.fsdp.grouping == "root" and self.fsdp.reshard_after_forward is False:
+                fsdp = dataclasses.replace(self.fsdp, reshard_after_forward="default")
+                return dataclasses.replace(self, fsdp=fsdp)
             return self
         kept = {
             f.name: getattr(self.fsdp, f.name)
