@@ -137,7 +137,7 @@ def test_one_group_for_the_whole_model_is_never_resharded_after_forward() -> Non
                 axes={
                     "fsdp.grouping": ["root", "block"],
                     "fsdp.reshard_after_forward": ["default", False, True, 2],
-                }
+                },
             )
         )
     )

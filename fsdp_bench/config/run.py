@@ -171,6 +171,14 @@ class RunConfig:
     """fsdp: FSDP2 fully_shard over all ranks; hsdp: shard inside groups of
     fsdp.shard_group_size ranks (a node by default), replicate across them (2-D mesh);
     ddp: DistributedDataParallel, the baseline to beat."""
+    tp_size: int = 1
+    """Ranks per tensor-parallel group: each block's matmuls split over them (torchtitan's
+    Llama plan, `job.tensor_parallel`) on the inner dimension of a 2-D mesh (data-parallel
+    shard x TP), so a group's ranks share a node; FSDP2 shards over the outer one. 1: none."""
+    tp_sequence_parallel: bool = True
+    """With tensor parallelism: norms and the residual stream split along the sequence
+    between blocks (sequence parallel, torchtitan's default), which divides the activations
+    kept outside the matmuls by tp_size; false: replicated."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
@@ -218,6 +226,8 @@ class RunConfig:
                 f"an int must divide the shard group size ({shard} ranks): "
                 f"allowed true, false, default or one of {_divisors(shard)}",
             )
+        if self.tp_size != 1:
+            check_tensor_parallel(self)
         if not 0 <= self.fault.rank < self.world_size:
             raise CombinationError(
                 "fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}"
@@ -237,17 +247,33 @@ class RunConfig:
         return self.world_size // (self.processes_per_node or self.world_size)
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each takes its own slice of the batch (the ranks of one
+        tensor-parallel group take the same one)."""
+        return self.world_size // self.tp_size
+
+    @property
     def shard_group_size(self) -> int:
-        """Ranks over which parameters are sharded (all of them, except under hsdp)."""
+        """Ranks over which FSDP2 shards parameters (the data-parallel ones, except under
+        hsdp); tensor parallelism splits them further, over tp_size."""
         if self.strategy != "hsdp":
-            return self.world_size
+            return self.dp_size
         return self.fsdp.shard_group_size or self.processes_per_node or self.world_size
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """(world,) or, for hsdp, (replicas, shard group)."""
+        """(world,); for hsdp (replicas, shard group); with TP (data-parallel shard, tp)."""
+        if self.tp_size > 1:
+            return (self.dp_size, self.tp_size)
         shard = self.shard_group_size
         return (self.world_size,) if shard == self.world_size else (self.world_size // shard, shard)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Names of `mesh_shape`'s dimensions, by which collectives are counted per dimension."""
+        if self.tp_size > 1:
+            return ("shard", "tp")
+        return ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
 
     @property
     def run_id(self) -> str:
@@ -257,9 +283,9 @@ class RunConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens in one optimizer step over all ranks."""
+        """Tokens in one optimizer step over all ranks (a tensor-parallel group's once)."""
         d = self.data
-        return self.world_size * d.micro_batch_size * d.seq_len * self.train.accumulation_steps
+        return self.dp_size * d.micro_batch_size * d.seq_len * self.train.accumulation_steps
 
     def canonical(self) -> RunConfig:
         """Settings that cannot matter reset to defaults, so equal runs get equal ids.
@@ -285,6 +311,52 @@ class RunConfig:
             if f.name not in FSDP_ONLY_FIELDS
         }
         return dataclasses.replace(self, fsdp=FsdpConfig(**kept))
+
+
+def check_tensor_parallel(run: RunConfig) -> None:
+    """What `tp_size` must divide and what it cannot be combined with (yet), one line each."""
+    tp = run.tp_size
+    if tp < 1 or run.world_size % tp:
+        raise CombinationError(
+            "tp_size",
+            tp,
+            f"must divide world_size {run.world_size}: one of {_divisors(run.world_size)}",
+        )
+    ppn = run.processes_per_node
+    if ppn is not None and ppn % tp:
+        raise CombinationError(
+            "tp_size", tp,
+            f"must divide processes_per_node {ppn}: a tensor-parallel group stays inside a node "
+            f"(its collectives are on every matmul); one of {_divisors(ppn)}",
+        )  # fmt: skip
+    if run.strategy != "fsdp":
+        raise CombinationError(
+            "tp_size", tp, f"tensor parallelism runs with strategy fsdp, not {run.strategy}"
+        )
+    if run.model.is_hf_model or run.model.is_user_model:
+        raise CombinationError(
+            "tp_size", tp,
+            f"tensor parallelism has a plan for the presets only, not {run.model.name!r}",
+        )  # fmt: skip
+    shape = run.model.shape
+    for name, size in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads),
+                       ("ffn_dim", shape.ffn_dim), ("vocab_size", shape.vocab_size)):  # fmt: skip
+        if size % tp:
+            raise CombinationError(
+                "tp_size",
+                tp,
+                f"must divide the model's {name} ({size}): one of {_divisors(size, 64)}",
+            )
+    if shape.tie_embeddings:
+        raise CombinationError(
+            "tp_size",
+            tp,
+            "tensor parallelism needs an output projection of its own (tie_embeddings)",
+        )
+    if run.tp_sequence_parallel and run.data.seq_len % tp:
+        raise CombinationError(
+            "tp_size", tp, f"sequence parallel splits seq_len {run.data.seq_len}: it must divide it"
+        )
 
 
 def alike_key(run: RunConfig) -> str:
@@ -320,5 +392,6 @@ def grouping_block_count(grouping: str) -> int | None:
     return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _divisors(n: int, up_to: int | None = None) -> str:
+    found = [d for d in range(1, min(n, up_to or n) + 1) if n % d == 0]
+    return ", ".join(map(str, found)) + (f" (up to {up_to})" if up_to and n > up_to else "")

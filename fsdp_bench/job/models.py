@@ -71,9 +71,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank computes its share of them
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k, v, gqa = attention_inputs(q, k, v, self.repeat_fp32_gqa)

@@ -27,6 +27,7 @@ from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.checkpointing import apply_checkpointing
 from fsdp_bench.job.models import ModelBundle, initialize
 from fsdp_bench.job.post_forward_mesh import shared_post_forward_meshes
+from fsdp_bench.job.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass
@@ -81,8 +82,12 @@ def wrap_on_meta(
     device: torch.device,
     compile_modules: bool = False,
 ) -> tuple[nn.Module, ShardPlan]:
-    """Activation checkpointing, torch.compile (`compile_modules`; the memory simulation
-    runs eager) and fully_shard, still on the meta device (no memory yet)."""
+    """Tensor parallelism, activation checkpointing, torch.compile (`compile_modules`; the
+    memory simulation runs eager) and fully_shard, still on the meta device (no memory
+    yet). With TP, `mesh` is (shard, tp): fully_shard takes its shard dimension."""
+    if run.tp_size > 1:
+        apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel)
+        mesh = mesh["shard"]
     bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module
     if compile_modules:

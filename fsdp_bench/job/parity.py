@@ -43,6 +43,11 @@ from fsdp_bench.job.watchdog import Watchdog
 # first norm weights) is mostly bf16 rounding, 15-70% off in either direction, even against a
 # bf16 reference that sums in another order than two ranks do.
 FP32_TOLERANCE = (1e-5, 1e-7)
+# Tensor parallelism sums each row-parallel matmul's partial products, and the embedding's
+# gradient rows, over the TP group in another order than one process does: measured on tiny
+# at world size 4 (2 x 2), max abs difference 1.6e-7 (tok_embeddings' gradient), relative L2
+# error 4.7e-7 against 2.6e-7 for FSDP2 alone; elementwise, ten times the seed's atol.
+FP32_TP_TOLERANCE = (1e-5, 1e-6)
 # TF32 matmuls keep a 10-bit mantissa (relative rounding ~5e-4 per product): elementwise
 # tolerances are meaningless there too, so the same relative L2 rule as bf16, tighter.
 REL_L2_BOUND = {"bf16": 5e-2, "tf32": 1e-2}
@@ -159,7 +164,8 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         for n, p in model.named_parameters()
     }
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    grad_ok, grad_diff, grad_detail = _compare(grads, ref_grads, precision)
+    tolerance = FP32_TP_TOLERANCE if run.tp_size > 1 else FP32_TOLERANCE
+    grad_ok, grad_diff, grad_detail = _compare(grads, ref_grads, precision, tolerance)
 
     lr = run.train.learning_rate
     _sgd_step(model, lr)
@@ -170,7 +176,7 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     else:
         _sgd_step(reference, lr)
         ref_params = {n: p.detach() for n, p in reference.named_parameters()}
-    param_ok, param_diff, param_detail = _compare(params, ref_params, precision)
+    param_ok, param_diff, param_detail = _compare(params, ref_params, precision, tolerance)
     return ParityReport(
         ok=grad_ok and param_ok,
         grad_max_abs_diff=grad_diff,
@@ -205,8 +211,10 @@ def _compare(
     got: Mapping[str, torch.Tensor | None],
     want: Mapping[str, torch.Tensor | None],
     precision: str,
+    tolerance: tuple[float, float] = FP32_TOLERANCE,
 ) -> tuple[bool, float, str]:
-    """(within tolerance, max abs difference, what failed first)."""
+    """(within tolerance, max abs difference, what failed first); `tolerance`: fp32's
+    elementwise (rtol, atol)."""
     if got.keys() != want.keys():
         return False, float("inf"), f"parameter names differ: {sorted(got.keys() ^ want.keys())}"
     worst = 0.0
@@ -224,7 +232,7 @@ def _compare(
         worst = max(worst, diff.max().item())
         diff_sq += diff.square().sum().item()
         want_sq += expected.square().sum().item()
-        rtol, atol = FP32_TOLERANCE
+        rtol, atol = tolerance
         if precision == "fp32" and not torch.allclose(actual, expected, rtol=rtol, atol=atol):
             failures.append(f"{name}: max abs diff {diff.max().item():.2e}")
     if precision in REL_L2_BOUND:

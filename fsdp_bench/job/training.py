@@ -28,24 +28,27 @@ Mark = Callable[[str], AbstractContextManager[object]]
 
 
 def global_micro_batch(run: RunConfig, index: int, vocab_size: int) -> Batch:
-    """Micro-batch `index` of the whole world (world_size x micro_batch_size rows), on CPU.
+    """Micro-batch `index` of the whole world (dp_size x micro_batch_size rows), on CPU.
 
     Every rank can build the same global batch from the seed, so a single-process reference
     can be fed exactly what the ranks saw together (parity checks).
     """
     generator = torch.Generator().manual_seed(run.data.seed * 1_000_003 + index)
-    rows = run.world_size * run.data.micro_batch_size
+    rows = run.dp_size * run.data.micro_batch_size
     tokens = torch.randint(0, vocab_size, (rows, run.data.seq_len + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def rank_batches(run: RunConfig, rank: int, vocab_size: int, device: torch.device) -> list[Batch]:
-    """This rank's contiguous slice of each of the step's micro-batches, on its device."""
+    """This rank's contiguous slice of each of the step's micro-batches, on its device: the
+    slice of its data-parallel rank (the ranks of a tensor-parallel group, consecutive,
+    share one)."""
     b = run.data.micro_batch_size
+    dp_rank = rank // run.tp_size
     batches = []
     for index in range(run.train.accumulation_steps):
         inputs, targets = global_micro_batch(run, index, vocab_size)
-        rows = slice(rank * b, (rank + 1) * b)
+        rows = slice(dp_rank * b, (dp_rank + 1) * b)
         batches.append((inputs[rows].to(device), targets[rows].to(device)))
     return batches
 

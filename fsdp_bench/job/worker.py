@@ -92,7 +92,7 @@ class JobContext:
     """Armed while a run steps (`timing.measure_steps`) and while its results are gathered."""
     inflight: Path | None = None
     """The in-flight folder of the run being measured: where a hang's note goes."""
-    meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict)
+    meshes: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = field(default_factory=dict)
     profiles: dict[str, StepProfile] = field(default_factory=dict)
     """run_id -> its first pass's profiled step: later passes (`measure.rounds`) take a plain
     step in its place, as the profile is the same and costs more than the step."""
@@ -104,12 +104,15 @@ class JobContext:
     """CUDA: device memory in use once the process group had run its first collective,
     before any model: the CUDA context and NCCL's communicator and buffers."""
 
-    def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
-        """(world,) for FSDP; (replicas, shard group) for HSDP. Made once per job and shape."""
-        if shape not in self.meshes:
-            names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-            self.meshes[shape] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
-        return self.meshes[shape]
+    def mesh(self, run: RunConfig) -> DeviceMesh:
+        """The run's device mesh (`RunConfig.mesh_shape`): (world,) for FSDP, (replicas,
+        shard group) for HSDP, (shard, tp) with tensor parallelism. Made once per job and
+        shape."""
+        key = (run.mesh_shape, run.mesh_dim_names)
+        if key not in self.meshes:
+            shape, names = key
+            self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self.meshes[key]
 
 
 def run_job(job: JobSpec, info: RankInfo | None = None) -> list[str]:
@@ -282,7 +285,7 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     `launch.driver.pack_runs`) and the check has the device to itself."""
     set_fp32_matmul(run, context.device)  # the parity check must run as the run does
     set_allocator(run, context.device)
-    mesh = context.mesh(run.mesh_shape)
+    mesh = context.mesh(run)
     outcome = _measure_run(run, context, mesh, first_pass)
     if context.verify and first_pass:
         release(context.device)

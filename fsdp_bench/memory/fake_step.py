@@ -112,8 +112,7 @@ def _simulated_model(
     """Rank 0's model of `run`, built for `device_type` and sharded on the meta device, in a
     fake world of the run's size."""
     with fake_world(run.world_size):
-        names = ("replicate", "shard") if len(run.mesh_shape) == 2 else ("shard",)
-        mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
+        mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=run.mesh_dim_names)
         device = torch.device("cpu")
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
