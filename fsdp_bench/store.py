@@ -127,6 +127,9 @@ class RunResult:
     all_gathers_before_compute: int | None = None
     """All-gathers issued before the first matmul of a step: 2 for block grouping with
     implicit prefetch (root, first block); explicit prefetch of depth d adds d."""
+    collectives_per_dimension: dict[str, dict[str, int]] | None = None
+    """The counts above per mesh dimension: {"shard": {"all_gathers": n, "all_gather_bytes":
+    b, ...}, "tp": {...}}; FSDP2's on the shard dimension, tensor parallelism's on tp."""
     largest_group_bytes: int | None = None
     num_groups: int | None = None
     num_params: int | None = None

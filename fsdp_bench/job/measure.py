@@ -8,13 +8,16 @@ carry nothing but the training step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
@@ -46,6 +49,10 @@ class CollectiveCounts:
     """All-gathers issued before the step's first matmul: explicit prefetch raises it."""
     all_gather_sizes_bytes: list[int] = field(default_factory=list)
     """Each all-gather's output bytes, in issue order (one per group unshard)."""
+    per_dimension: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The same counts per mesh dimension the collectives ran over ("shard", "tp",
+    "replicate"; "world" for the default group, "other" for a group of no dimension), as
+    {dimension: {"all_gathers": n, "all_gather_bytes": b, ...}}."""
 
 
 FUNCTIONAL_COLLECTIVES = {
@@ -65,9 +72,12 @@ class CollectiveCounter(TorchDispatchMode):
     operators (the all-reduce that makes gradient clipping's partial norm whole), where no
     dispatch mode sees them, so their Python functions are watched while counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, dimensions: Mapping[str, str] | None = None) -> None:
+        """`dimensions`: this rank's process group names -> mesh dimension names
+        (`group_dimensions`)."""
         super().__init__()
         self.counts = CollectiveCounts()
+        self._dimensions = dict(dimensions or {})
         self._computing = False
         self._watched: dict[str, Any] = {}
 
@@ -91,9 +101,15 @@ class CollectiveCounter(TorchDispatchMode):
         self._watched.clear()
 
     def _watch(self, collective: Any, kind: str) -> Any:
+        import torch.distributed._functional_collectives as funcol
+
+        signature = inspect.signature(collective)
+
         def watched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             out = collective(tensor, *args, **kwargs)
-            self._count(kind, _nbytes(out if kind == "all_gather" else tensor))
+            group = signature.bind(tensor, *args, **kwargs).arguments.get("group")
+            name = funcol._resolve_group_name(group) if group is not None else None
+            self._count(kind, _nbytes(out if kind == "all_gather" else tensor), name)
             return out
 
         return watched
@@ -110,14 +126,20 @@ class CollectiveCounter(TorchDispatchMode):
             # (output, input, ...): the full buffer is the output of an all-gather, the input
             # of a reduce-scatter, the tensor of an all-reduce
             size = _nbytes(args[1] if kind == "reduce_scatter" else args[0])
-            self._count(kind, size)
+            self._count(kind, size, _group_name(args))
         elif not self._computing and func._opname in _MATMULS:
             self._computing = True
             self.counts.all_gathers_before_compute = self.counts.all_gathers
         return func(*args, **(kwargs or {}))
 
-    def _count(self, kind: str | None, num_bytes: int) -> None:
+    def _count(self, kind: str | None, num_bytes: int, group: str | None = None) -> None:
         c = self.counts
+        dimension = self._dimensions.get(group or "", "other") if group else "other"
+        per = c.per_dimension.setdefault(dimension, {})
+        number, size = COUNT_FIELDS.get(kind or "", ("other", None))
+        per[number] = per.get(number, 0) + 1
+        if size is not None:
+            per[size] = per.get(size, 0) + num_bytes
         if kind == "all_gather":
             c.all_gathers += 1
             c.all_gather_bytes += num_bytes
@@ -130,6 +152,31 @@ class CollectiveCounter(TorchDispatchMode):
             c.all_reduce_bytes += num_bytes
         else:
             c.other += 1
+
+
+COUNT_FIELDS = {
+    "all_gather": ("all_gathers", "all_gather_bytes"),
+    "reduce_scatter": ("reduce_scatters", "reduce_scatter_bytes"),
+    "all_reduce": ("all_reduces", "all_reduce_bytes"),
+}
+"""A collective's kind -> (its count's field, its bytes' field) in `CollectiveCounts`."""
+
+
+def group_dimensions(mesh: DeviceMesh | None) -> dict[str, str]:
+    """This rank's process group names -> the dimension of `mesh` each one spans ("world"
+    for the default group)."""
+    found = {dist.group.WORLD.group_name: "world"} if dist.is_initialized() else {}
+    for name in (mesh.mesh_dim_names or ()) if mesh is not None else ():
+        found[mesh.get_group(name).group_name] = name
+    return found
+
+
+def _group_name(args: tuple[Any, ...]) -> str | None:
+    """The name of the process group among a c10d operator's arguments (a script object)."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and arg._type().name().endswith("ProcessGroup"):
+            return str(dist.ProcessGroup.unbox(arg).group_name)
+    return None
 
 
 def _nbytes(value: Any) -> int:
@@ -174,9 +221,11 @@ def profile_step(
     run: RunConfig,
     trace_path: Path | None = None,
     break_down: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> StepProfile:
     """One untimed optimizer step under the memory tracker and the collective counter, then
     (`break_down`) one under torch.profiler (`step_trace`; its trace kept at `trace_path`).
+    Collectives are counted per dimension of `mesh` too.
     With `break_down` the tracked step also samples the memory timeline (`memory_timeline`;
     on CUDA with a trace path, the allocator's history is saved beside the trace).
 
@@ -197,7 +246,7 @@ def profile_step(
     step = make_train_step(
         model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
     )
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(group_dimensions(mesh))
     device = batches[0][0].device
     sampler = TimelineSampler(tracker, device.type) if break_down else None
     history = trace_path.with_name(f"{trace_path.stem}_memory.pickle") if trace_path else None

@@ -255,6 +255,7 @@ def _collectives(first: RankOutcome) -> dict[str, Any]:
         "all_reduces_per_step": counts["all_reduces"],
         "all_reduce_bytes_per_step": counts["all_reduce_bytes"],
         "all_gathers_before_compute": counts["all_gathers_before_compute"],
+        "collectives_per_dimension": counts.get("per_dimension") or None,
         "largest_group_bytes": first.largest_group_bytes,
         "num_groups": first.num_groups,
         "num_params": first.num_params,

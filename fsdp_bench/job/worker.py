@@ -322,7 +322,7 @@ def _measure_run(
         profile_once(
             context.profiles,
             run.run_id,
-            lambda: profile_step(model, optimizer, batches, run, trace),
+            lambda: profile_step(model, optimizer, batches, run, trace, mesh=mesh),
             step,
         ),
         run,

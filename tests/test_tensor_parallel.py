@@ -1,0 +1,96 @@
+"""FSDP2 with tensor parallelism on a 2-D mesh (shard x tp): a real sweep on gloo with parity,
+collectives counted per mesh dimension and stated exactly, validation one line each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_bench.config import DataConfig, ModelConfig, RunConfig
+from fsdp_bench.errors import CombinationError
+from tests.conftest import sweep, tiny_grid, write_grid
+
+# tiny: dim 128, 4 blocks, 4 heads (2 key/value, head_dim 32), ffn 384, vocab 1024; fp32
+ACTIVATION_BYTES = 1 * 128 * 128 * 4  # micro-batch 1 x seq 128 x dim 128, fp32: 64 KiB
+LOGITS_BYTES = 1 * 128 * 1024 * 4
+BLOCK_LINEARS = 128 * 128 * 2 + 64 * 128 * 2 + 3 * 384 * 128  # wq wo, wk wv, w1 w2 w3
+BLOCK_BYTES_PER_TP_RANK = (BLOCK_LINEARS // 2 + 2 * 128) * 4  # linears split, norms whole
+ROOT_BYTES_PER_TP_RANK = (2 * 1024 * 128 // 2 + 128) * 4  # embedding, output split; norm
+
+
+@pytest.mark.slow
+def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path: Path) -> None:
+    """tiny at world size 4 over tp_size [1, 2] with --verify: parity holds for both.
+
+    tp_size 2 (mesh 2 x 2, sequence parallel). On the shard dimension FSDP2 does what it does
+    without TP, on parameters half the size: 5 all-gathers in forward (root, 4 blocks), 4 in
+    backward (blocks resharded, the root kept), 5 reduce-scatters. On the tp dimension, per
+    block and pass, 2 all-gathers (the sequence gathered before attention and before the
+    MLP in forward; the row-parallel outputs' gradients in backward) and 2 reduce-scatters
+    (wo's and w2's outputs to the sequence shards; the inputs' gradients): 16 and 16; the
+    embedding's output is reduce-scattered (its gradient all-gathered), the output
+    projection gathers its input and its logits (its input's gradient reduce-scattered):
+    19 all-gathers, 18 reduce-scatters, of whole activations (logits for one), and one
+    all-reduce for the gradient of each of the 9 norms' weights, replicated over tp."""
+    _, df = sweep(tmp_path, tiny_grid("tp", {"tp_size": [1, 2]}, world_size=4), verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    by_tp = {int(row.tp_size): row for row in df.itertuples()}
+    assert by_tp[1].collectives_per_dimension == {
+        "shard": {
+            "all_gathers": 9,
+            "all_gather_bytes": by_tp[1].all_gather_bytes_per_step,
+            "reduce_scatters": 5,
+            "reduce_scatter_bytes": by_tp[1].reduce_scatter_bytes_per_step,
+        }
+    }
+    assert by_tp[2].collectives_per_dimension == {
+        "shard": {
+            "all_gathers": 9,
+            "all_gather_bytes": ROOT_BYTES_PER_TP_RANK + 8 * BLOCK_BYTES_PER_TP_RANK,
+            "reduce_scatters": 5,
+            "reduce_scatter_bytes": ROOT_BYTES_PER_TP_RANK + 4 * BLOCK_BYTES_PER_TP_RANK,
+        },
+        "tp": {
+            "all_gathers": 19,
+            "all_gather_bytes": 18 * ACTIVATION_BYTES + LOGITS_BYTES,
+            "reduce_scatters": 18,
+            "reduce_scatter_bytes": 18 * ACTIVATION_BYTES,
+            "all_reduces": 9,
+            "all_reduce_bytes": 9 * 128 * 4,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"world_size": 4, "tp_size": 3}, "must divide world_size 4: one of 1, 2, 4"),
+        ({"world_size": 4, "tp_size": 4}, "must divide the model's n_kv_heads (2): one of 1, 2"),
+        ({"world_size": 4, "tp_size": 2, "strategy": "ddp"}, "runs with strategy fsdp, not ddp"),
+        ({"world_size": 4, "tp_size": 2, "processes_per_node": 1}, "stays inside a node"),
+    ],
+)
+def test_bad_tp_sizes_get_one_line(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(CombinationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig(model=ModelConfig(name="tiny"), data=DataConfig(seq_len=64), **settings)
+
+
+def test_a_tensor_parallel_group_shares_its_batch() -> None:
+    """A step's tokens are counted once per tensor-parallel group (throughput, MFU)."""
+    run = RunConfig(world_size=4, tp_size=2, model=ModelConfig(name="tiny"))
+    assert (run.dp_size, run.mesh_shape, run.mesh_dim_names) == (2, (2, 2), ("shard", "tp"))
+    assert run.tokens_per_step == 2 * run.data.seq_len
+
+
+def test_a_bad_tp_size_in_a_grid_exits_2_with_one_line(tmp_path: Path) -> None:
+    grid = write_grid(tmp_path, tiny_grid("bad-tp", {"tp_size": [3]}, world_size=4))
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", "sweep", str(grid), "--dry-run"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "tp_size: 3 is not allowed; must divide world_size 4" in done.stderr
