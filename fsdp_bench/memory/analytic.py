@@ -53,7 +53,9 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     compute_bytes = 2 if run.fsdp.mixed_precision == "bf16" else 4
     params = _parameter_shapes(shape)
     padded = sum(_padded(rows, cols, shard) for rows, cols in params)  # FSDP2 pads dim 0
-    sharded = padded / shard
+    # tensor parallelism splits the matmuls' weights over tp_size (the norms, replicated, are
+    # counted split too: a few KiB)
+    sharded = padded / shard / run.tp_size
     stored = 2 if run.model.dtype == "bf16" else 4  # parameters, gradients, states alike
     optimizer = OPTIMIZER_BYTES[run.train.optimizer] * stored // 4
     terms = {
@@ -71,6 +73,8 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     else:
         terms.update(_unsharded_terms(run, shape, compute_bytes))
     terms["activations"] = _activation_bytes(run, shape, compute_bytes)
+    if run.tp_sequence_parallel:  # every activation is split: sequence, heads or MLP width
+        terms["activations"] /= run.tp_size
     tokens = run.data.micro_batch_size * run.data.seq_len
     # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
     terms["temporaries"] = tokens * shape.vocab_size * (compute_bytes + 4 + 4)
@@ -118,6 +122,8 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
             groups = [k * block] * (shape.n_layers // k) + [root]
         case _:  # module patterns: at most a block at a time
             groups = [block] * shape.n_layers + [root]
+    groups = [g / run.tp_size for g in groups]  # a TP rank unshards its split of each
+    params = shape.num_params / run.tp_size
     largest = max(groups)
     typical = max(groups[:-1], default=largest)
     reshard = run.fsdp.reshard_after_forward
@@ -126,11 +132,11 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
     if reshard is True:
         kept = 0
     elif reshard is False or reshard == 1:
-        kept = shape.num_params  # every group stays unsharded from forward to backward
+        kept = params  # every group stays unsharded from forward to backward
     elif reshard == "all_but_last":
         kept = typical + root_group  # the last block group too: backward needs it first
     elif isinstance(reshard, int):
-        kept = shape.num_params / reshard  # resharded to groups of `reshard` ranks
+        kept = params / reshard  # resharded to groups of `reshard` ranks
     else:  # FSDP2's default: every group resharded but the root
         kept = root_group
     depth = 1 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
@@ -138,7 +144,7 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
     sync_last = run.train.grad_sync == "last" and run.train.accumulation_steps > 1
     # a group's gradients in its compute dtype until reduce-scattered; when syncing only on the
     # last micro-batch, every group's accumulate in fp32 until then
-    unsharded_grads = shape.num_params * 4 if sync_last else largest * compute_bytes
+    unsharded_grads = params * 4 if sync_last else largest * compute_bytes
     return {
         "largest_unsharded_group": largest * compute_bytes,
         "kept_unsharded_parameters": kept * compute_bytes,
