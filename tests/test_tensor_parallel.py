@@ -15,7 +15,7 @@ from tests.conftest import sweep, tiny_grid, write_grid
 
 # tiny: dim 128, 4 blocks, 4 heads (2 key/value, head_dim 32), ffn 384, vocab 1024; fp32
 ACTIVATION_BYTES = 1 * 128 * 128 * 4  # micro-batch 1 x seq 128 x dim 128, fp32: 64 KiB
-LOGITS_BYTES = 1 * 128 * 1024 * 4
+TOKEN_BYTES = 1 * 128 * 4  # one fp32 number per token
 BLOCK_LINEARS = 128 * 128 * 2 + 64 * 128 * 2 + 3 * 384 * 128  # wq wo, wk wv, w1 w2 w3
 BLOCK_BYTES_PER_TP_RANK = (BLOCK_LINEARS // 2 + 2 * 128) * 4  # linears split, norms whole
 ROOT_BYTES_PER_TP_RANK = (2 * 1024 * 128 // 2 + 128) * 4  # embedding, output split; norm
@@ -23,7 +23,9 @@ ROOT_BYTES_PER_TP_RANK = (2 * 1024 * 128 // 2 + 128) * 4  # embedding, output sp
 
 @pytest.mark.slow
 def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path: Path) -> None:
-    """tiny at world size 4 over tp_size [1, 2] with --verify: parity holds for both.
+    """tiny at world size 4 over tp_size [1, 2], and small (8 key/value heads) at tp_size 4,
+    with --verify: parity holds, and the memory estimate made before launch is within 5% of
+    the peak tracked in the run.
 
     tp_size 2 (mesh 2 x 2, sequence parallel). On the shard dimension FSDP2 does what it does
     without TP, on parameters half the size: 5 all-gathers in forward (root, 4 blocks), 4 in
@@ -32,11 +34,15 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
     MLP in forward; the row-parallel outputs' gradients in backward) and 2 reduce-scatters
     (wo's and w2's outputs to the sequence shards; the inputs' gradients): 16 and 16; the
     embedding's output is reduce-scattered (its gradient all-gathered), the output
-    projection gathers its input and its logits (its input's gradient reduce-scattered):
-    19 all-gathers, 18 reduce-scatters, of whole activations (logits for one), and one
-    all-reduce for the gradient of each of the 9 norms' weights, replicated over tp."""
-    _, df = sweep(tmp_path, tiny_grid("tp", {"tp_size": [1, 2]}, world_size=4), verify=True)
+    projection gathers its input (its gradient reduce-scattered): 18 all-gathers and 18
+    reduce-scatters of whole activations. All-reduces: the gradient of each of the 9 norms'
+    weights (replicated over tp), and 3 for the loss on logits split by vocabulary (each
+    token's largest logit, its sum of exponentials, its target's logit)."""
+    axes = [{"tp_size": [1, 2]}, {"tp_size": [4], "model.name": ["small"]}]
+    _, df = sweep(tmp_path, tiny_grid("tp", axes, world_size=4), verify=True)
     assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
+    assert (error < 0.05).all(), df[["tp_size", "estimated_peak_gib", "tracked_peak_gib"]]
     by_tp = {int(row.tp_size): row for row in df.itertuples()}
     assert by_tp[1].collectives_per_dimension == {
         "shard": {
@@ -54,12 +60,12 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
             "reduce_scatter_bytes": ROOT_BYTES_PER_TP_RANK + 4 * BLOCK_BYTES_PER_TP_RANK,
         },
         "tp": {
-            "all_gathers": 19,
-            "all_gather_bytes": 18 * ACTIVATION_BYTES + LOGITS_BYTES,
+            "all_gathers": 18,
+            "all_gather_bytes": 18 * ACTIVATION_BYTES,
             "reduce_scatters": 18,
             "reduce_scatter_bytes": 18 * ACTIVATION_BYTES,
-            "all_reduces": 9,
-            "all_reduce_bytes": 9 * 128 * 4,
+            "all_reduces": 9 + 3,
+            "all_reduce_bytes": 9 * 128 * 4 + 3 * TOKEN_BYTES,
         },
     }
 

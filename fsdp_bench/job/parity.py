@@ -149,7 +149,10 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     precision = "bf16" if rounded else "tf32" if tf32 else "fp32"
 
     batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
-    forward_backward(model, batches, run.train.grad_sync, autocast=autocast_dtype(run))()
+    forward_backward(
+        model, batches, run.train.grad_sync, autocast=autocast_dtype(run),
+        sharded_logits=run.tp_size > 1,
+    )()  # fmt: skip
     global_batches = [
         tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
         for k in range(run.train.accumulation_steps)

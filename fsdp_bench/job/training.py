@@ -7,6 +7,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import RunConfig
@@ -121,12 +123,15 @@ def forward_backward(
     before_micro_batch: Callable[[], None] | None = None,
     autocast: torch.dtype | None = None,
     mark: Mark | None = None,
+    sharded_logits: bool = False,
 ) -> Callable[[], None]:
     """The step's micro-batches: forward and backward, loss scaled by 1/K.
 
     `autocast` is mixed precision for models that FSDP2's MixedPrecisionPolicy does not
     handle (the DDP baseline); `mark` wraps each forward and each backward (a profiled step
-    only: the timed loop runs the closure without it)."""
+    only: the timed loop runs the closure without it). `sharded_logits`: the model returns
+    logits split over the vocabulary (tensor parallelism), and the loss and its backward run
+    under `loss_parallel`, which never gathers them (torchtitan's loss parallel)."""
     count = len(batches)
     sync_last_only = grad_sync == "last" and count > 1
 
@@ -141,15 +146,19 @@ def forward_backward(
             with torch.autocast(device_type, dtype=autocast):
                 return plain_loss(inputs, targets)
 
+    around = loss_parallel if sharded_logits else contextlib.nullcontext
+
     def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        (loss_of(inputs, targets) / count).backward()
+        with around():
+            (loss_of(inputs, targets) / count).backward()
 
     def marked_micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         assert mark is not None
-        with mark("forward"):
-            loss = loss_of(inputs, targets) / count
-        with mark("backward"):
-            loss.backward()
+        with around():
+            with mark("forward"):
+                loss = loss_of(inputs, targets) / count
+            with mark("backward"):
+                loss.backward()
 
     one = micro_batch if mark is None else marked_micro_batch
 
@@ -182,8 +191,9 @@ def make_train_step(
     """One optimizer step as a closure: the exact code the timed loop runs (with `mark`,
     the same step with each phase wrapped, for a profiled step)."""
     micro_batches = forward_backward(
-        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark
-    )
+        model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark,
+        sharded_logits=run.tp_size > 1,
+    )  # fmt: skip
 
     max_norm = run.train.max_grad_norm
     params = [p for group in optimizer.param_groups for p in group["params"]]
