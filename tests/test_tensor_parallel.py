@@ -100,3 +100,35 @@ def test_a_bad_tp_size_in_a_grid_exits_2_with_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "tp_size: 3 is not allowed; must divide world_size 4" in done.stderr
+
+
+def _run_generated_code(rank: int, world: int, store_path: str) -> None:
+    """One rank of `test_the_generated_code_runs_tensor_parallel` (top level: spawned)."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_bench.cli.codegen import fully_shard_code
+    from fsdp_bench.job.models import build_model
+    from fsdp_bench.job.training import loss_fn, rank_batches
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+    )
+    try:
+        run = RunConfig(world_size=world, tp_size=2, model=ModelConfig(name="tiny"),
+                        data=DataConfig(seq_len=16))  # fmt: skip
+        inputs, targets = rank_batches(run, rank, 1024, torch.device("cpu"))[0]
+        namespace = {"model": build_model(run.model).module, "loss_fn": loss_fn,
+                     "inputs": inputs, "targets": targets}  # fmt: skip
+        exec(compile(fully_shard_code(run, device="cpu"), "<generated>", "exec"), namespace)
+        assert all(p.grad is None for p in namespace["model"].parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_generated_code_runs_tensor_parallel(tmp_path: Path) -> None:
+    """The printed mesh, TP plan, fully_shard calls and loss_parallel step, run as printed on
+    two gloo ranks (one data-parallel shard x tp 2)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_generated_code, args=(2, str(tmp_path / "store")), nprocs=2)

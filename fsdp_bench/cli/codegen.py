@@ -20,7 +20,16 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
         lines += _ddp_code(run, device)
         return "\n".join(lines) + "\n"
     lines += _fsdp_imports(run)
+    if run.tp_size > 1:
+        lines += [
+            "from torch.distributed.tensor import Replicate, Shard",
+            "from torch.distributed.tensor.parallel import (",
+            "    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,",
+            "    loss_parallel, parallelize_module,",
+            ")",
+        ]
     lines += _mesh_and_options(run, device)
+    lines += _tensor_parallel_code(run)
     if run.model.dtype == "bf16":
         lines.append("model.to(torch.bfloat16)  # bf16 storage: no fp32 master weights")
     lines += _checkpointing_code(run.fsdp.activation_checkpointing)
@@ -34,7 +43,7 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
         "model.init_weights()  # or reset_parameters() on each submodule",
         _optimizer_code(run) + "  # after fully_shard: shards only",
     ]
-    lines += _step_code(run, "model.set_requires_gradient_sync")
+    lines += _step_code(run, "model.set_requires_gradient_sync", run.tp_size > 1)
     # the pieces below write the blocks as `model.layers`, the presets' list
     return "\n".join(lines).replace("model.layers", blocks) + "\n"
 
@@ -101,14 +110,19 @@ def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
         f"# world size {run.world_size}: {run.nodes} node(s) x "
         f"{run.world_size // run.nodes} process(es); build the model on the meta device first",
     ]
-    if len(run.mesh_shape) == 2:
+    if run.tp_size > 1:
+        lines.append(
+            f'mesh = init_device_mesh("{device}", {run.mesh_shape}, '
+            'mesh_dim_names=("shard", "tp"))  # TP innermost: a group inside a node'
+        )
+    elif len(run.mesh_shape) == 2:
         lines.append(
             f'mesh = init_device_mesh("{device}", {run.mesh_shape}, '
             'mesh_dim_names=("replicate", "shard"))  # HSDP'
         )
     else:
         lines.append(f'mesh = init_device_mesh("{device}", ({run.world_size},))')
-    options = ["mesh=mesh"]
+    options = ['mesh=mesh["shard"]' if run.tp_size > 1 else "mesh=mesh"]
     reshard = run.fsdp.reshard_after_forward
     if reshard not in ("default", "all_but_last"):  # all_but_last: per block, below
         options.append(f"reshard_after_forward={reshard!r}")
@@ -122,6 +136,48 @@ def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
     if run.fsdp.cpu_offload:
         options.append("offload_policy=CPUOffloadPolicy()")
     return [*lines, f"options = dict({', '.join(options)})"]
+
+
+def _tensor_parallel_code(run: RunConfig) -> list[str]:
+    """torchtitan's Llama plan (`job.tensor_parallel`), before checkpointing and fully_shard."""
+    if run.tp_size == 1:
+        return []
+    sp = run.tp_sequence_parallel
+    seq = "Shard(1)" if sp else "Replicate()"
+    block = [
+        '    "attention.wq": ColwiseParallel(),',
+        '    "attention.wk": ColwiseParallel(),',
+        '    "attention.wv": ColwiseParallel(),',
+        f'    "attention.wo": RowwiseParallel({"output_layouts=Shard(1)" if sp else ""}),',
+        '    "feed_forward.w1": ColwiseParallel(),',
+        f'    "feed_forward.w2": RowwiseParallel({"output_layouts=Shard(1)" if sp else ""}),',
+        '    "feed_forward.w3": ColwiseParallel(),',
+    ]
+    if sp:  # sequence parallel: norms on sequence shards, gathered before each sub-layer
+        block += [
+            '    "attention_norm": SequenceParallel(),',
+            '    "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),',
+            "                                    desired_input_layouts=(Replicate(), None, None)),",
+            '    "ffn_norm": SequenceParallel(),',
+            '    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),',
+            "                                       desired_input_layouts=(Replicate(),)),",
+        ]
+    return [
+        "",
+        f"# tensor parallelism over {run.tp_size} ranks (torchtitan's Llama plan); the",
+        "# attention must reshape to (batch, seq, -1, head_dim): a rank has its share of heads",
+        "block_plan = {",
+        *block,
+        "}",
+        "for block in model.layers:",
+        '    parallelize_module(block, mesh["tp"], block_plan)',
+        'parallelize_module(model, mesh["tp"], {',
+        f'    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts={seq}),',
+        *(['    "norm": SequenceParallel(),'] if sp else []),
+        f'    "output": ColwiseParallel(input_layouts={seq}, output_layouts=Shard(-1),',
+        "                              use_local_output=False),  # logits split by vocabulary",
+        "})",
+    ]
 
 
 def _prefetch_code(run: RunConfig) -> list[str]:
@@ -203,19 +259,26 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
     return lines + _step_code(run, None)
 
 
-def _step_code(run: RunConfig, sync_setter: str | None) -> list[str]:
+def _step_code(run: RunConfig, sync_setter: str | None, sharded_logits: bool = False) -> list[str]:
+    """The step; `sharded_logits`: the loss and its backward under `loss_parallel`."""
     k = run.train.accumulation_steps
     update = [*_clip_code(run.train.max_grad_norm), "optimizer.step()", "optimizer.zero_grad()"]
+    loss = "loss_fn(model(inputs), targets)" + (f" / {k}" if k > 1 else "")
+    backward = (
+        ["with loss_parallel():  # the loss on logits split by vocabulary",
+         f"    ({loss}).backward()"]
+        if sharded_logits
+        else [f"({loss}).backward()" if k > 1 else f"{loss}.backward()"]
+    )  # fmt: skip
     if k == 1:
-        return ["loss_fn(model(inputs), targets).backward()", *update]
+        return [*backward, *update]
     lines = [f"for index, (inputs, targets) in enumerate(micro_batches):  # {k} per step"]
     if run.train.grad_sync == "last":
         if sync_setter:
             lines.append(f"    {sync_setter}(index == {k - 1})  # reduce-scatter once")
         else:
             lines.append(f"    model.require_backward_grad_sync = index == {k - 1}")
-    lines.append(f"    (loss_fn(model(inputs), targets) / {k}).backward()")
-    return lines + update
+    return lines + [f"    {line}" for line in backward] + update
 
 
 def _clip_code(max_norm: float | None) -> list[str]:

@@ -77,7 +77,9 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
         terms["activations"] /= run.tp_size
     tokens = run.data.micro_batch_size * run.data.seq_len
     # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
-    terms["temporaries"] = tokens * shape.vocab_size * (compute_bytes + 4 + 4)
+    # (under tensor parallelism a rank's share of the vocabulary: the loss runs on them split)
+    logits = tokens * shape.vocab_size / run.tp_size
+    terms["temporaries"] = logits * (compute_bytes + 4 + 4)
     largest, prefetch = terms.get("largest_unsharded_group", 0), terms.get("prefetch_buffer", 0)
     host = 0.0
     if run.fsdp.cpu_offload and run.strategy != "ddp":  # the sharded state lives on the host
