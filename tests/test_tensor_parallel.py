@@ -132,3 +132,24 @@ def test_the_generated_code_runs_tensor_parallel(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_run_generated_code, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+def test_the_report_plots_the_fastest_run_at_each_world_size_and_tp_size() -> None:
+    import pandas as pd
+
+    from fsdp_bench.report.figure_data import tensor_parallel_points
+
+    rows = [  # (world size, tp_size, tokens/s, peak GiB, status)
+        (4, 1, 100.0, 2.0, "ok"), (4, 1, 120.0, 2.5, "ok"), (4, 2, 90.0, 1.2, "ok"),
+        (8, 2, 150.0, 1.1, "ok"), (8, 4, 300.0, 0.5, "oom"),
+    ]  # fmt: skip
+    df = pd.DataFrame(
+        [{"world_size": w, "tp_size": t, "tokens_per_s": s, "tokens_per_s_ci_low": s - 1,
+          "tokens_per_s_ci_high": s + 1, "peak_memory_gib": m, "status": st, "run_id": str(i)}
+         for i, (w, t, s, m, st) in enumerate(rows)]
+    )  # fmt: skip
+    points = tensor_parallel_points(df)
+    assert points[["world_size", "tp_size", "tokens_per_s", "peak_memory_gib"]].values.tolist() == [
+        [4, 1, 120.0, 2.5], [4, 2, 90.0, 1.2], [8, 2, 150.0, 1.1],
+    ]  # fmt: skip
+    assert tensor_parallel_points(df[df.tp_size == 1]).empty  # tp_size does not vary

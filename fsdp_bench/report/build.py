@@ -214,6 +214,8 @@ def _measured_sections(
         memory_figures.memory_timeline(df, canvas),
         figs.collectives(df, canvas),
     ]
+    if not figure_data.tensor_parallel_points(df).empty:
+        drawn.append(figs.tensor_parallel(df, canvas))
     step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
     sections = [

@@ -252,3 +252,18 @@ def timeline_panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.DataFr
             (axis, pd.DataFrame(points), pd.DataFrame(marks, columns=["label", "x", "kind"]))
         )
     return panels
+
+
+def tensor_parallel_points(df: pd.DataFrame) -> pd.DataFrame:
+    """The fastest ok run at each (world size, tp_size) of a grid that varies tp_size: its
+    tokens/s with the 95% interval, and its peak memory. Empty when tp_size does not vary."""
+    ok = ok_runs(df)
+    if "tp_size" not in ok.columns or ok["tp_size"].nunique() < 2:
+        return pd.DataFrame()
+    fastest = ok.sort_values("tokens_per_s", ascending=False).drop_duplicates(
+        ["world_size", "tp_size"]
+    )
+    columns = ["world_size", "tp_size", "tokens_per_s", "tokens_per_s_ci_low",
+               "tokens_per_s_ci_high", "peak_memory_gib", "run_id"]  # fmt: skip
+    out = fastest[columns].sort_values(["world_size", "tp_size"]).reset_index(drop=True)
+    return out.astype({"world_size": int, "tp_size": int})

@@ -173,6 +173,42 @@ def scaling(df: pd.DataFrame, canvas: Canvas) -> Figure:
     return Figure(name, title, caption, save_figure(fig, canvas, name))
 
 
+def tensor_parallel(df: pd.DataFrame, canvas: Canvas) -> Figure:
+    """tokens/s and peak memory per rank against tp_size, a line per world size (the fastest
+    run at each point)."""
+    name, title = "tensor_parallel", "tokens/s and peak memory against tp_size"
+    points = data.tensor_parallel_points(df)
+    if points.empty:
+        return not_drawn(name, title, "tp_size does not vary among the ok runs")
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    sizes = sorted(points["world_size"].unique())
+    palette = dict(zip(sizes, sns.color_palette("deep", len(sizes)), strict=True))
+    for size in sizes:
+        at = points[points["world_size"] == size]
+        low = at["tokens_per_s"] - at["tokens_per_s_ci_low"]
+        high = at["tokens_per_s_ci_high"] - at["tokens_per_s"]
+        speed.errorbar(at["tp_size"], at["tokens_per_s"], yerr=[low, high], marker="o",
+                       capsize=3, color=palette[size], label=f"world size {size}")  # fmt: skip
+        memory.plot(at["tp_size"], at["peak_memory_gib"], marker="o", color=palette[size])
+    tp_sizes = sorted(points["tp_size"].unique())
+    for ax, label in ((speed, "tokens/s (all ranks)"), (memory, "peak memory per rank (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tp_sizes, [str(t) for t in tp_sizes])
+        ax.set_xlabel("tp_size (ranks per tensor-parallel group)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    thousands(speed.yaxis)
+    fig.legend(loc="outside right upper", frameon=False)
+    fig.suptitle(f"{title}\n{canvas.subject}")
+    caption = (
+        "The fastest run at each world size and tp_size; error bars: 95% intervals of its "
+        "tokens/s. A tensor-parallel group's ranks share a batch slice, so tokens/s counts "
+        "each token once; memory falls as TP splits weights and activations, while every "
+        "matmul's input or output crosses the group."
+    )
+    return Figure(name, title, caption, save_figure(fig, canvas, name))
+
+
 def step_breakdown(df: pd.DataFrame, canvas: Canvas) -> Figure:
     """Per configuration: the profiled step's forward, backward and optimizer time stacked,
     and below each bar the communication no compute hid."""
