@@ -153,3 +153,40 @@ def test_the_report_plots_the_fastest_run_at_each_world_size_and_tp_size() -> No
         [4, 1, 120.0, 2.5], [4, 2, 90.0, 1.2], [8, 2, 150.0, 1.1],
     ]  # fmt: skip
     assert tensor_parallel_points(df[df.tp_size == 1]).empty  # tp_size does not vary
+
+
+@pytest.mark.slow
+def test_a_transformers_model_runs_the_plan_its_config_ships(tmp_path: Path) -> None:
+    """A tiny transformers Llama at 2 x 2 with its config's base_model_tp_plan (and the head
+    split by vocabulary) trains as one process does; a GPT-2, whose config has no plan, is
+    refused before launch in one line, exit 2."""
+    from transformers import GPT2Config, LlamaConfig
+
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=256,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    ).save_pretrained(tmp_path / "gpt2")
+    grid = tiny_grid("tp-hf", {"tp_size": [2]}, world_size=4)
+    grid["base"]["model"] = {"name": f"hf:{tmp_path / 'llama'}"}
+    grid["base"]["data"] = {"seq_len": 32}
+    _, df = sweep(tmp_path, grid, verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    assert set(df.collectives_per_dimension.iloc[0]) == {"shard", "tp"}
+
+    grid["name"], grid["base"]["model"] = "tp-gpt2", {"name": f"hf:{tmp_path / 'gpt2'}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", "sweep", str(write_grid(tmp_path, grid)), "--dry-run"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "GPT2LMHeadModel has no tensor-parallel plan" in done.stderr

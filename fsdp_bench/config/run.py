@@ -333,11 +333,8 @@ def check_tensor_parallel(run: RunConfig) -> None:
         raise CombinationError(
             "tp_size", tp, f"tensor parallelism runs with strategy fsdp, not {run.strategy}"
         )
-    if run.model.is_hf_model or run.model.is_user_model:
-        raise CombinationError(
-            "tp_size", tp,
-            f"tensor parallelism has a plan for the presets only, not {run.model.name!r}",
-        )  # fmt: skip
+    if run.model.is_user_model:  # hf: and users' models: checked once built (model_check)
+        return
     shape = run.model.shape
     for name, size in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads),
                        ("ffn_dim", shape.ffn_dim), ("vocab_size", shape.vocab_size)):  # fmt: skip

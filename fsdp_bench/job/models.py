@@ -13,6 +13,7 @@ import importlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,11 @@ class ModelBundle:
     tensors before launch."""
     init: Callable[[nn.Module], None] | None = None
     """Initialises the materialised (sharded) module in place; None: `default_init`."""
+    tp_plan: dict[str, Any] | None = None
+    """For tensor parallelism (`tp_size`): `parallelize_module`'s plan over `module`, module
+    names (`*` matches any) -> ParallelStyle. The module's attention must reshape with -1
+    heads (a rank computes its share). None: no plan (presets and transformers models have
+    their own)."""
 
     @property
     def blocks_path(self) -> str | None:

@@ -17,6 +17,7 @@ Source: torchtitan, torchtitan/models/llama3/infra/parallelize.py (`apply_tp`), 
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -66,7 +67,7 @@ def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-        ),
+        ),  # the logits split by vocabulary: the loss runs on them so
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
@@ -74,13 +75,56 @@ def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def apply_tensor_parallel(bundle: ModelBundle, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split the preset's blocks, embedding and output over `mesh` (the TP dimension)."""
+    """Split the model over `mesh` (the TP dimension): a preset by torchtitan's plan, a
+    transformers model by the plan its config class ships, a user's model by the bundle's."""
     model = bundle.module
-    if not isinstance(model, Transformer):
+    if isinstance(model, Transformer):
+        for block in bundle.blocks:
+            parallelize_module(block, mesh, block_plan(sequence_parallel))
+        parallelize_module(model, mesh, model_plan(sequence_parallel))
+    elif bundle.tp_plan is not None:
+        parallelize_module(model, mesh, bundle.tp_plan)
+    else:
+        base, plan = transformers_plan(model)
+        parallelize_module(base, mesh, plan)
+        if getattr(model, "lm_head", None) is not None:  # logits split, loss_parallel's
+            parallelize_module(model, mesh, {"lm_head": _vocabulary_parallel()})
+
+
+HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+"""The styles of transformers' plans (`base_model_tp_plan`) this job applies, by their name."""
+
+
+def transformers_plan(model: nn.Module) -> tuple[nn.Module, dict[str, ParallelStyle]]:
+    """(the base model, its plan) from the config class's `base_model_tp_plan`
+    (transformers' own, e.g. LlamaConfig's: attention's q/k/v column-wise and o row-wise, the
+    MLP's gate/up column-wise and down row-wise; no sequence parallel, the embedding
+    replicated); a `ConfigError` naming the model when it has none, or a style this job does
+    not apply, or an output projection tied to the embedding."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
         raise ConfigError(
-            f"tp_size: tensor parallelism has a plan for the Llama presets only, not "
-            f"{type(model).__name__}"
+            f"tp_size: {name} has no tensor-parallel plan (its config class has no "
+            "base_model_tp_plan); give the bundle a tp_plan, or use tp_size 1"
         )
-    for block in bundle.blocks:
-        parallelize_module(block, mesh, block_plan(sequence_parallel))
-    parallelize_module(model, mesh, model_plan(sequence_parallel))
+    unknown = sorted({style for style in plan.values() if style not in HF_STYLES})
+    if unknown:
+        raise ConfigError(
+            f"tp_size: {name}'s tensor-parallel plan uses {', '.join(unknown)}; this job "
+            f"applies {', '.join(HF_STYLES)}"
+        )
+    head = getattr(model, "lm_head", None)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and embedding is not None and head.weight is embedding.weight:
+        raise ConfigError(
+            f"tp_size: {name} ties its output projection to the embedding "
+            "(tie_word_embeddings): tensor parallelism needs one of its own"
+        )
+    styles = {key: HF_STYLES[style]() for key, style in plan.items()}
+    return getattr(model, "base_model", model), styles
+
+
+def _vocabulary_parallel() -> ParallelStyle:
+    return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)

@@ -20,14 +20,14 @@ import json
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.errors import ConfigError, one_line
+from fsdp_bench.errors import CombinationError, ConfigError, one_line
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import Flops
 
@@ -47,6 +47,12 @@ class ModelFacts:
     num_blocks: int
     blocks_path: str | None = None
     """`ModelBundle.blocks_path`: for the generated fully_shard code."""
+    tp_refusal: str = ""
+    """Why the model cannot run with tp_size > 1 (no plan, a tied output projection); ""
+    when it can."""
+    tp_sizes: dict[str, int] = field(default_factory=dict)
+    """What tp_size must divide (a transformers model's heads, key/value heads, MLP width,
+    vocabulary)."""
 
 
 _checked: dict[str, ModelFacts] = {}
@@ -101,7 +107,22 @@ def check_models(
         if isinstance(outcome, str):
             raise ConfigError(outcome)
         _checked[key] = outcome
-    return {run_id: _checked[key] for run_id, key in key_of.items()}
+    facts = {run_id: _checked[key] for run_id, key in key_of.items()}
+    for run in runs:
+        if run.tp_size > 1 and run.run_id in facts:
+            _check_tensor_parallel(run, facts[run.run_id])
+    return facts
+
+
+def _check_tensor_parallel(run: RunConfig, facts: ModelFacts) -> None:
+    """What the model's plan needs of tp_size, one line (the presets' in `RunConfig`)."""
+    if facts.tp_refusal:
+        raise ConfigError(f"model.name: {run.model.name}: {facts.tp_refusal}")
+    for name, size in facts.tp_sizes.items():
+        if size % run.tp_size:
+            raise CombinationError(
+                "tp_size", run.tp_size, f"must divide {run.model.name}'s {name} ({size})"
+            )
 
 
 def _key(model: ModelConfig, digest: str) -> str:
@@ -202,7 +223,26 @@ def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
         num_params=sum(p.numel() for p in module.parameters()),
         num_blocks=len(bundle.blocks),
         blocks_path=bundle.blocks_path,
+        **_tensor_parallel_facts(bundle),
     )
+
+
+def _tensor_parallel_facts(bundle: Any) -> dict[str, Any]:
+    """`ModelFacts.tp_refusal` and `tp_sizes`: a user's bundle runs TP with its own plan; a
+    transformers model with its config's, if it has one (`tensor_parallel.transformers_plan`)."""
+    from fsdp_bench.job.tensor_parallel import transformers_plan
+
+    if bundle.tp_plan is not None:
+        return {}
+    try:
+        transformers_plan(bundle.module)
+    except ConfigError as err:
+        return {"tp_refusal": str(err).removeprefix("tp_size: ")}
+    config = bundle.module.config.get_text_config()
+    names = {"num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
+             "intermediate_size": "MLP width", "vocab_size": "vocabulary"}  # fmt: skip
+    sizes = {label: getattr(config, key, None) for key, label in names.items()}
+    return {"tp_sizes": {label: size for label, size in sizes.items() if isinstance(size, int)}}
 
 
 INIT_CHECK_SHARD_BYTES = 256 * 2**20
