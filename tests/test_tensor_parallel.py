@@ -23,9 +23,9 @@ ROOT_BYTES_PER_TP_RANK = (2 * 1024 * 128 // 2 + 128) * 4  # embedding, output sp
 
 @pytest.mark.slow
 def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path: Path) -> None:
-    """tiny at world size 4 over tp_size [1, 2], and small (8 key/value heads) at tp_size 4,
-    with --verify: parity holds, and the memory estimate made before launch is within 5% of
-    the peak tracked in the run.
+    """tiny at world size 4 over tp_size [1, 2], HSDP x TP (2 replicas x 1 shard x tp 2),
+    and small (8 key/value heads) at tp_size 4, with --verify: parity holds, and the memory
+    estimate made before launch is within 5% of the peak tracked in the run.
 
     tp_size 2 (mesh 2 x 2, sequence parallel). On the shard dimension FSDP2 does what it does
     without TP, on parameters half the size: 5 all-gathers in forward (root, 4 blocks), 4 in
@@ -38,12 +38,19 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
     reduce-scatters of whole activations. All-reduces: the gradient of each of the 9 norms'
     weights (replicated over tp), and 3 for the loss on logits split by vocabulary (each
     token's largest logit, its sum of exponentials, its target's logit)."""
-    axes = [{"tp_size": [1, 2]}, {"tp_size": [4], "model.name": ["small"]}]
+    axes = [
+        {"tp_size": [1, 2]},
+        {"tp_size": [2], "strategy": ["hsdp"], "fsdp.shard_group_size": [2]},
+        {"tp_size": [4], "model.name": ["small"]},
+    ]
     _, df = sweep(tmp_path, tiny_grid("tp", axes, world_size=4), verify=True)
     assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
     error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
     assert (error < 0.05).all(), df[["tp_size", "estimated_peak_gib", "tracked_peak_gib"]]
-    by_tp = {int(row.tp_size): row for row in df.itertuples()}
+    hsdp = df[df.strategy == "hsdp"].iloc[0]
+    assert set(hsdp.collectives_per_dimension) == {"replicate", "tp"}  # shards of one rank
+    assert hsdp.collectives_per_dimension["replicate"]["all_reduces"] == 5  # one per group
+    by_tp = {int(row.tp_size): row for row in df[df.strategy == "fsdp"].itertuples()}
     assert by_tp[1].collectives_per_dimension == {
         "shard": {
             "all_gathers": 9,

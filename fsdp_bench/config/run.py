@@ -17,6 +17,7 @@ from typing import Literal
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.schema import at_least, bad_value, non_default_fields
+from fsdp_bench.config.tensor_parallel import check_tensor_parallel, divisors
 from fsdp_bench.errors import CombinationError
 
 GROUPING_HELP = (
@@ -64,7 +65,8 @@ class FsdpConfig:
     every block, the outputs of matmuls but every second one, attention and reduce-scatters
     are saved and the rest recomputed: torchtitan's selective per op)."""
     shard_group_size: int | None = None
-    """hsdp: ranks that shard one replica; None: the processes of one node."""
+    """hsdp: ranks that hold one replica (shard it, and with tp_size split it too); None: the
+    processes of one node."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grouping", canonical_grouping(self.grouping))
@@ -196,14 +198,15 @@ class RunConfig:
                 f"must divide world_size {self.world_size} "
                 "(nodes = world_size / processes_per_node)",
             )
-        shard = self.shard_group_size
-        if self.strategy == "hsdp" and (self.world_size % shard or self.world_size == shard):
+        replica = self.replica_ranks
+        if self.strategy == "hsdp" and (self.world_size % replica or self.world_size == replica):
             raise CombinationError(
                 "strategy",
                 self.strategy,
-                f"hsdp needs at least two replicas of {shard} ranks in world_size "
+                f"hsdp needs at least two replicas of {replica} ranks in world_size "
                 f"{self.world_size}: set fsdp.shard_group_size to a proper divisor, or use nodes",
             )
+        shard = self.shard_group_size
         if self.model.dtype == "bf16" and self.fsdp.mixed_precision != "bf16":
             raise CombinationError(
                 "model.dtype",
@@ -224,7 +227,7 @@ class RunConfig:
                 "fsdp.reshard_after_forward",
                 reshard,
                 f"an int must divide the shard group size ({shard} ranks): "
-                f"allowed true, false, default or one of {_divisors(shard)}",
+                f"allowed true, false, default or one of {divisors(shard)}",
             )
         if self.tp_size != 1:
             check_tensor_parallel(self)
@@ -253,27 +256,32 @@ class RunConfig:
         return self.world_size // self.tp_size
 
     @property
-    def shard_group_size(self) -> int:
-        """Ranks over which FSDP2 shards parameters (the data-parallel ones, except under
-        hsdp); tensor parallelism splits them further, over tp_size."""
+    def replica_ranks(self) -> int:
+        """Ranks holding one replica of the model: all of them, except under hsdp
+        (fsdp.shard_group_size, a node by default), tensor-parallel groups included."""
         if self.strategy != "hsdp":
-            return self.dp_size
+            return self.world_size
         return self.fsdp.shard_group_size or self.processes_per_node or self.world_size
 
     @property
+    def shard_group_size(self) -> int:
+        """Ranks over which FSDP2 shards parameters: a replica's data-parallel ranks (tensor
+        parallelism splits each shard further, over tp_size)."""
+        return self.replica_ranks // self.tp_size
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """(world,); for hsdp (replicas, shard group); with TP (data-parallel shard, tp)."""
-        if self.tp_size > 1:
-            return (self.dp_size, self.tp_size)
-        shard = self.shard_group_size
-        return (self.world_size,) if shard == self.world_size else (self.world_size // shard, shard)
+        """(world,); for hsdp (replicas, shard group); with TP, tp innermost: (shard, tp) or
+        (replicas, shard, tp)."""
+        replicas = self.world_size // self.replica_ranks
+        shape = (replicas, self.shard_group_size) if replicas > 1 else (self.shard_group_size,)
+        return (*shape, self.tp_size) if self.tp_size > 1 else shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """Names of `mesh_shape`'s dimensions, by which collectives are counted per dimension."""
-        if self.tp_size > 1:
-            return ("shard", "tp")
-        return ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
+        replicated = ("replicate",) if self.world_size > self.replica_ranks else ()
+        return (*replicated, "shard", *(("tp",) if self.tp_size > 1 else ()))
 
     @property
     def run_id(self) -> str:
@@ -313,49 +321,6 @@ class RunConfig:
         return dataclasses.replace(self, fsdp=FsdpConfig(**kept))
 
 
-def check_tensor_parallel(run: RunConfig) -> None:
-    """What `tp_size` must divide and what it cannot be combined with (yet), one line each."""
-    tp = run.tp_size
-    if tp < 1 or run.world_size % tp:
-        raise CombinationError(
-            "tp_size",
-            tp,
-            f"must divide world_size {run.world_size}: one of {_divisors(run.world_size)}",
-        )
-    ppn = run.processes_per_node
-    if ppn is not None and ppn % tp:
-        raise CombinationError(
-            "tp_size", tp,
-            f"must divide processes_per_node {ppn}: a tensor-parallel group stays inside a node "
-            f"(its collectives are on every matmul); one of {_divisors(ppn)}",
-        )  # fmt: skip
-    if run.strategy != "fsdp":
-        raise CombinationError(
-            "tp_size", tp, f"tensor parallelism runs with strategy fsdp, not {run.strategy}"
-        )
-    if run.model.is_user_model:  # hf: and users' models: checked once built (model_check)
-        return
-    shape = run.model.shape
-    for name, size in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads),
-                       ("ffn_dim", shape.ffn_dim), ("vocab_size", shape.vocab_size)):  # fmt: skip
-        if size % tp:
-            raise CombinationError(
-                "tp_size",
-                tp,
-                f"must divide the model's {name} ({size}): one of {_divisors(size, 64)}",
-            )
-    if shape.tie_embeddings:
-        raise CombinationError(
-            "tp_size",
-            tp,
-            "tensor parallelism needs an output projection of its own (tie_embeddings)",
-        )
-    if run.tp_sequence_parallel and run.data.seq_len % tp:
-        raise CombinationError(
-            "tp_size", tp, f"sequence parallel splits seq_len {run.data.seq_len}: it must divide it"
-        )
-
-
 def alike_key(run: RunConfig) -> str:
     """The run's settings but its world size: runs with one key make the same allocations
     in the same order, the sizes of shards apart, which lets them share a simulation's check
@@ -387,8 +352,3 @@ def canonical_grouping(value: object) -> str:
 def grouping_block_count(grouping: str) -> int | None:
     """K of `blocks:K`, else None."""
     return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None
-
-
-def _divisors(n: int, up_to: int | None = None) -> str:
-    found = [d for d in range(1, min(n, up_to or n) + 1) if n % d == 0]
-    return ", ".join(map(str, found)) + (f" (up to {up_to})" if up_to and n > up_to else "")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
@@ -72,8 +73,8 @@ class CollectiveCounter(TorchDispatchMode):
     operators (the all-reduce that makes gradient clipping's partial norm whole), where no
     dispatch mode sees them, so their Python functions are watched while counting."""
 
-    def __init__(self, dimensions: Mapping[str, str] | None = None) -> None:
-        """`dimensions`: this rank's process group names -> mesh dimension names
+    def __init__(self, dimensions: Mapping[tuple[int, ...], str] | None = None) -> None:
+        """`dimensions`: the ranks of this rank's groups -> mesh dimension names
         (`group_dimensions`)."""
         super().__init__()
         self.counts = CollectiveCounts()
@@ -108,8 +109,10 @@ class CollectiveCounter(TorchDispatchMode):
         def watched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             out = collective(tensor, *args, **kwargs)
             group = signature.bind(tensor, *args, **kwargs).arguments.get("group")
-            name = funcol._resolve_group_name(group) if group is not None else None
-            self._count(kind, _nbytes(out if kind == "all_gather" else tensor), name)
+            found = None
+            if group is not None:
+                found = _resolve_process_group(funcol._resolve_group_name(group))
+            self._count(kind, _nbytes(out if kind == "all_gather" else tensor), _ranks(found))
             return out
 
         return watched
@@ -126,15 +129,15 @@ class CollectiveCounter(TorchDispatchMode):
             # (output, input, ...): the full buffer is the output of an all-gather, the input
             # of a reduce-scatter, the tensor of an all-reduce
             size = _nbytes(args[1] if kind == "reduce_scatter" else args[0])
-            self._count(kind, size, _group_name(args))
+            self._count(kind, size, _ranks(_process_group(args)))
         elif not self._computing and func._opname in _MATMULS:
             self._computing = True
             self.counts.all_gathers_before_compute = self.counts.all_gathers
         return func(*args, **(kwargs or {}))
 
-    def _count(self, kind: str | None, num_bytes: int, group: str | None = None) -> None:
+    def _count(self, kind: str | None, num_bytes: int, ranks: tuple[int, ...] = ()) -> None:
         c = self.counts
-        dimension = self._dimensions.get(group or "", "other") if group else "other"
+        dimension = self._dimensions.get(ranks, "other")
         per = c.per_dimension.setdefault(dimension, {})
         number, size = COUNT_FIELDS.get(kind or "", ("other", None))
         per[number] = per.get(number, 0) + 1
@@ -162,20 +165,25 @@ COUNT_FIELDS = {
 """A collective's kind -> (its count's field, its bytes' field) in `CollectiveCounts`."""
 
 
-def group_dimensions(mesh: DeviceMesh | None) -> dict[str, str]:
-    """This rank's process group names -> the dimension of `mesh` each one spans ("world"
-    for the default group)."""
-    found = {dist.group.WORLD.group_name: "world"} if dist.is_initialized() else {}
+def group_dimensions(mesh: DeviceMesh | None) -> dict[tuple[int, ...], str]:
+    """The ranks of this rank's group along each dimension of `mesh` -> its name ("world"
+    for all ranks, when no dimension spans them). By ranks, not by group: meshes of one job
+    that share a dimension's ranks may each hold a group of their own for it."""
+    found = {_ranks(dist.group.WORLD): "world"} if dist.is_initialized() else {}
     for name in (mesh.mesh_dim_names or ()) if mesh is not None else ():
-        found[mesh.get_group(name).group_name] = name
+        found[_ranks(mesh.get_group(name))] = name
     return found
 
 
-def _group_name(args: tuple[Any, ...]) -> str | None:
-    """The name of the process group among a c10d operator's arguments (a script object)."""
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
+
+
+def _process_group(args: tuple[Any, ...]) -> Any:
+    """The process group among a c10d operator's arguments (there a script object)."""
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and arg._type().name().endswith("ProcessGroup"):
-            return str(dist.ProcessGroup.unbox(arg).group_name)
+            return dist.ProcessGroup.unbox(arg)
     return None
 
 

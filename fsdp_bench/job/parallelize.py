@@ -87,7 +87,7 @@ def wrap_on_meta(
     yet). With TP, `mesh` is (shard, tp): fully_shard takes its shard dimension."""
     if run.tp_size > 1:
         apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel)
-        mesh = mesh["shard"]
+        mesh = mesh[run.mesh_dim_names[:-1]]  # (replicate,) shard: FSDP2's (HSDP's) mesh
     bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module
     if compile_modules:
