@@ -3,6 +3,7 @@ collectives counted per mesh dimension and stated exactly, validation one line e
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -82,8 +83,15 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
     [
         ({"world_size": 4, "tp_size": 3}, "must divide world_size 4: one of 1, 2, 4"),
         ({"world_size": 4, "tp_size": 4}, "must divide the model's n_kv_heads (2): one of 1, 2"),
-        ({"world_size": 4, "tp_size": 2, "strategy": "ddp"}, "runs with strategy fsdp, not ddp"),
+        (
+            {"world_size": 4, "tp_size": 2, "strategy": "ddp"},
+            "runs with strategy fsdp or hsdp, not ddp",
+        ),
         ({"world_size": 4, "tp_size": 2, "processes_per_node": 1}, "stays inside a node"),
+        (
+            {"world_size": 6, "tp_size": 2, "processes_per_node": 3, "tp_across_nodes": True},
+            "must be a multiple of processes_per_node 3 (whole nodes per group)",
+        ),
     ],
 )
 def test_bad_tp_sizes_get_one_line(settings: dict[str, object], message: str) -> None:
@@ -96,6 +104,8 @@ def test_a_tensor_parallel_group_shares_its_batch() -> None:
     run = RunConfig(world_size=4, tp_size=2, model=ModelConfig(name="tiny"))
     assert (run.dp_size, run.mesh_shape, run.mesh_dim_names) == (2, (2, 2), ("shard", "tp"))
     assert run.tokens_per_step == 2 * run.data.seq_len
+    across = dataclasses.replace(run, processes_per_node=1, tp_across_nodes=True)
+    assert across.nodes == 4 and across.mesh_shape == (2, 2)  # asked for: a group spans nodes
 
 
 def test_a_bad_tp_size_in_a_grid_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -197,3 +207,34 @@ def test_a_transformers_model_runs_the_plan_its_config_ships(tmp_path: Path) -> 
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "GPT2LMHeadModel has no tensor-parallel plan" in done.stderr
+
+
+def test_tp_size_is_a_search_axis_whose_invalid_points_are_rejected_trials(
+    tmp_path: Path,
+) -> None:
+    """A search over tp_size [1, 2, 3] at world size 4 (3 divides neither it nor the heads):
+    the points of tp_size 3 are rejected trials, named why, never launched; the best of the
+    recorded points is found."""
+    from fsdp_bench.config.grid import load_grid, run_for_point
+    from fsdp_bench.config.schema import to_plain
+    from fsdp_bench.search.searcher import SearchOptions, best_feasible, run_search
+    from fsdp_bench.store import ResultStore, RunResult
+
+    grid = tiny_grid("tp-search", {"tp_size": [1, 2, 3], "fsdp.grouping": ["block", "root"]},
+                     world_size=4)  # fmt: skip
+    grid["search"] = {"trials": 6, "seed": 0, "sampler": "grid", "confirm_top_k": 0}
+    spec = load_grid(write_grid(tmp_path, grid))
+    store = ResultStore(tmp_path / "r")
+    speeds = {(1, "block"): 100.0, (1, "root"): 90.0, (2, "block"): 120.0, (2, "root"): 80.0}
+    for (tp, grouping), tokens in speeds.items():
+        run = run_for_point(spec, {"tp_size": tp, "fsdp.grouping": grouping})
+        assert run is not None
+        store.record(RunResult(run_id=run.run_id, status="ok", config=to_plain(run),
+                               tokens_per_s=tokens, peak_memory_gib=0.01))  # fmt: skip
+    outcome = run_search(spec, SearchOptions(results_dir=tmp_path / "r", progress=False))
+    assert outcome.counts["launched"] == 0
+    assert outcome.counts["excluded"] == 2
+    failures = [t.user_attrs.get("failure", "") for t in outcome.study.trials]
+    assert sum("tp_size: 3 is not allowed; must divide world_size 4" in f for f in failures) == 2
+    best = best_feasible(outcome.study, store, spec)
+    assert best is not None and best[0].params == {"tp_size": 2, "fsdp.grouping": "block"}

@@ -177,6 +177,9 @@ class RunConfig:
     """Ranks per tensor-parallel group: each block's matmuls split over them (torchtitan's
     Llama plan, `job.tensor_parallel`) on the inner dimension of a 2-D mesh (data-parallel
     shard x TP), so a group's ranks share a node; FSDP2 shards over the outer one. 1: none."""
+    tp_across_nodes: bool = False
+    """Let a tensor-parallel group span whole nodes (tp_size a multiple of the processes per
+    node): every matmul's collectives then cross the network. Refused unless set."""
     tp_sequence_parallel: bool = True
     """With tensor parallelism: norms and the residual stream split along the sequence
     between blocks (sequence parallel, torchtitan's default), which divides the activations

@@ -22,12 +22,15 @@ def check_tensor_parallel(run: RunConfig) -> None:
             f"must divide world_size {run.world_size}: one of {divisors(run.world_size)}",
         )
     ppn = run.processes_per_node
-    if ppn is not None and ppn % tp:
-        raise CombinationError(
-            "tp_size", tp,
-            f"must divide processes_per_node {ppn}: a tensor-parallel group stays inside a node "
-            f"(its collectives are on every matmul); one of {divisors(ppn)}",
-        )  # fmt: skip
+    if ppn is not None and ppn % tp and not (run.tp_across_nodes and tp % ppn == 0):
+        how = (
+            f"a multiple of processes_per_node {ppn} (whole nodes per group)"
+            if run.tp_across_nodes
+            else f"a divisor of processes_per_node {ppn}: one of {divisors(ppn)}; a tensor-"
+            "parallel group stays inside a node (its collectives are on every matmul) unless "
+            "tp_across_nodes: true"
+        )
+        raise CombinationError("tp_size", tp, f"must be {how}")
     if run.strategy == "ddp":
         raise CombinationError(
             "tp_size", tp, "tensor parallelism runs with strategy fsdp or hsdp, not ddp"
