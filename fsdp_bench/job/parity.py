@@ -80,14 +80,15 @@ def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
     (world size, strategy, grouping, resharding, prefetch, precision, offload, accumulation)
     is what parity is about, and that a narrow, shallow copy keeps: 16-wide heads, the same
     ratio of query to key/value heads, the same FFN ratio, at most 4 blocks (2 groups of K
-    for blocks:K), a 512-token vocabulary and sequences of at most 128 tokens."""
+    for blocks:K), a 512-token vocabulary and sequences of at most 128 tokens; with tensor
+    parallelism at least tp_size key/value heads."""
     if run.model.is_hf_model:
         return _shallow_hf_run(run)
     if run.model.is_user_model or run.model.shape.num_params <= VERIFY_AS_RUN_MAX_PARAMS:
         return run, "as run"
     shape = run.model.shape
     groups = shape.n_heads // shape.n_kv_heads  # query heads per key/value head
-    n_kv_heads = max(1, 4 // groups)
+    n_kv_heads = max(run.tp_size, 4 // groups)  # tensor parallelism splits them
     n_heads = n_kv_heads * groups
     dim = n_heads * 16
     per_group = grouping_block_count(str(run.fsdp.grouping))
