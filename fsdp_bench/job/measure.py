@@ -170,8 +170,9 @@ def group_dimensions(mesh: DeviceMesh | None) -> dict[tuple[int, ...], str]:
     for all ranks, when no dimension spans them). By ranks, not by group: meshes of one job
     that share a dimension's ranks may each hold a group of their own for it."""
     found = {_ranks(dist.group.WORLD): "world"} if dist.is_initialized() else {}
-    for name in (mesh.mesh_dim_names or ()) if mesh is not None else ():
-        found[_ranks(mesh.get_group(name))] = name
+    if mesh is not None:
+        for name in mesh.mesh_dim_names or ():
+            found[_ranks(mesh.get_group(name))] = name
     return found
 
 
@@ -182,7 +183,9 @@ def _ranks(group: Any) -> tuple[int, ...]:
 def _process_group(args: tuple[Any, ...]) -> Any:
     """The process group among a c10d operator's arguments (there a script object)."""
     for arg in args:
-        if isinstance(arg, torch.ScriptObject) and arg._type().name().endswith("ProcessGroup"):
+        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith(
+            "ProcessGroup"
+        ):
             return dist.ProcessGroup.unbox(arg)
     return None
 

@@ -116,7 +116,8 @@ def transformers_plan(model: nn.Module) -> tuple[nn.Module, dict[str, ParallelSt
             f"applies {', '.join(HF_STYLES)}"
         )
     head = getattr(model, "lm_head", None)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = getattr(model, "get_input_embeddings", None)
+    embedding = embeddings() if callable(embeddings) else None
     if head is not None and embedding is not None and head.weight is embedding.weight:
         raise ConfigError(
             f"tp_size: {name} ties its output projection to the embedding "

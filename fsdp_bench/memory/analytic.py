@@ -10,6 +10,7 @@ simulated estimate (`simulate.py`) measures one, and is the figure used for prun
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fsdp_bench.config.presets import ModelShape
@@ -113,6 +114,7 @@ def _unsharded_terms(run: RunConfig, shape: ModelShape, compute_bytes: int) -> d
     block = shape.block_params
     root = shape.embedding_params + shape.head_params + shape.dim
     k = grouping_block_count(str(run.fsdp.grouping))
+    groups: Sequence[float]
     match str(run.fsdp.grouping):
         case "root":
             groups = [shape.num_params]
