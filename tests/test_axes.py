@@ -58,7 +58,9 @@ def one(df: pd.DataFrame, **where: object) -> pd.Series:
 @pytest.mark.parametrize("grouping", list(GROUPS))
 def test_grouping_and_resharding_set_the_collectives(table: pd.DataFrame, grouping: str) -> None:
     groups = GROUPS[grouping]
-    no_reshard = one(table, grouping=grouping, reshard_after_forward=False)
+    # one group for the whole model: false is FSDP2's default, one run (RunConfig.canonical)
+    kept = "default" if grouping == "root" else False
+    no_reshard = one(table, grouping=grouping, reshard_after_forward=kept)
     reshard = one(table, grouping=grouping, reshard_after_forward=True)
     default = one(table, grouping=grouping)
     for row in (no_reshard, reshard, default):

@@ -19,7 +19,7 @@ def test_quickstart_end_to_end(
 ) -> None:
     results, first = quickstart_sweep
     command = first.args
-    assert "33/33" in first.stderr, "the progress bar reached the end"
+    assert "31/31" in first.stderr, "the progress bar reached the end"
     table = first.stdout.splitlines()
     header = table[1].split()
     assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header
@@ -28,10 +28,10 @@ def test_quickstart_end_to_end(
                 if line.startswith(("fastest: the DDP baseline", "no clear winner"))]  # fmt: skip
     launch = next(i for i, line in enumerate(table) if line.startswith("to measure it again"))
     # a run timed beside something else says so; a DDP best is named beside the FSDP2 one
-    assert launch == 2 + 33 + 1 + len(notes) + len(verdicts)
-    noise = table[2 + 33]
+    assert launch == 2 + 31 + 1 + len(notes) + len(verdicts)
+    noise = table[2 + 31]
     assert noise.startswith("between-pass noise: ")
-    ranked_rows = [line.split() for line in table[2 : 2 + 33]]
+    ranked_rows = [line.split() for line in table[2 : 2 + 31]]
     fsdp_rows = [row for row in ranked_rows if row[2] != "ddp"]
     best = fsdp_rows[0][0]  # the torchrun line that measures the fastest FSDP2 run again
     assert (ranked_rows[0][2] == "ddp") == any(v.startswith("fastest: the DDP") for v in verdicts)
@@ -44,7 +44,7 @@ def test_quickstart_end_to_end(
     # What a user does next: read the folder with pandas.
     code = f"import fsdp_bench; df = fsdp_bench.load_results({str(results)!r}); print(len(df))"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert shown.stdout.strip() == "33"
+    assert shown.stdout.strip() == "31"
 
     import fsdp_bench
 
@@ -54,17 +54,17 @@ def test_quickstart_end_to_end(
     assert set(df.world_size) == {1, 2}
     # contended runs (a busy machine) stay out of the pooled noise; every quiet one is in it
     contended = int(df["contended"].eq(True).sum())
-    quiet = 33 - contended
+    quiet = 31 - contended
     assert f"pooled over {quiet} runs, {quiet} degrees" in noise or quiet < 4, noise
     assert (f"{contended} contended runs left out" in noise) == (contended > 0 and quiet >= 4)
     assert (df.tokens_per_s > 0).all() and (df.peak_memory_gib > 0).all()
-    ranked = [line.split()[0] for line in table[2 : 2 + 33]]
+    ranked = [line.split()[0] for line in table[2 : 2 + 31]]
     assert ranked == df.sort_values("tokens_per_s", ascending=False).run_id.tolist()
     assert (results / "grid.yaml").read_text() == (REPO / "sweeps" / "quickstart.yaml").read_text()
 
     # Run again: everything is recorded, nothing runs.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0
-    assert "33 runs were already recorded" in again.stdout
+    assert "31 runs were already recorded" in again.stdout
     jobs = list((results / "jobs" / "submitit").glob("*_submitted.pkl"))
     assert len(jobs) == 2, "one job per world size, none for the second invocation"

@@ -150,10 +150,8 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
     precision = "bf16" if rounded else "tf32" if tf32 else "fp32"
 
     batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
-    forward_backward(
-        model, batches, run.train.grad_sync, autocast=autocast_dtype(run),
-        sharded_logits=run.tp_size > 1,
-    )()  # fmt: skip
+    tp = run.tp_size > 1  # the logits split by vocabulary, the loss under loss_parallel
+    forward_backward(model, batches, run.train.grad_sync, None, autocast_dtype(run), None, tp)()
     global_batches = [
         tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
         for k in range(run.train.accumulation_steps)
@@ -168,7 +166,7 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
         for n, p in model.named_parameters()
     }
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    tolerance = FP32_TP_TOLERANCE if run.tp_size > 1 else FP32_TOLERANCE
+    tolerance = FP32_TP_TOLERANCE if tp else FP32_TOLERANCE
     grad_ok, grad_diff, grad_detail = _compare(grads, ref_grads, precision, tolerance)
 
     lr = run.train.learning_rate

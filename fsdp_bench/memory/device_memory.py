@@ -55,7 +55,7 @@ def communicators(run: RunConfig) -> list[int]:
     sizes = [run.world_size]
     shard = run.shard_group_size
     if run.strategy == "hsdp" or run.tp_size > 1:  # a group per dimension of the mesh
-        sizes += list(run.mesh_shape)
+        sizes += reversed(run.mesh_shape)
     reshard = run.fsdp.reshard_after_forward
     if run.strategy != "ddp" and type(reshard) is int and 1 < reshard < shard:
         sizes.append(reshard)
