@@ -238,3 +238,66 @@ def test_tp_size_is_a_search_axis_whose_invalid_points_are_rejected_trials(
     assert sum("tp_size: 3 is not allowed; must divide world_size 4" in f for f in failures) == 2
     best = best_feasible(outcome.study, store, spec)
     assert best is not None and best[0].params == {"tp_size": 2, "fsdp.grouping": "block"}
+
+
+TP_USER_MODEL = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from fsdp_bench import ModelBundle
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab, dim, depth):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def mlp(vocab=256, dim=32, depth=2):
+    net = Net(vocab, dim, depth)
+    plan = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+    return ModelBundle(module=net, blocks=list(net.blocks), vocab_size=vocab, tp_plan=plan)
+"""
+
+
+@pytest.mark.slow
+def test_tp_parity_across_precision_sequence_parallel_grouping_and_a_users_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tiny at 2 x 2: bf16 compute, without sequence parallel, one group for the whole model;
+    and a user's model that gives its own plan (`ModelBundle.tp_plan`): each trains as one
+    process does, and its estimate is within 5% of the tracked peak."""
+    (tmp_path / "tpmodels.py").write_text(TP_USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as the CLI imports from the grid's folder
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    axes = [
+        {"fsdp.mixed_precision": ["bf16"]},
+        {"tp_sequence_parallel": [False]},
+        {"fsdp.grouping": ["root"], "tp_sequence_parallel": [False]},
+        {"model.name": ["tpmodels:mlp"]},
+    ]
+    _, df = sweep(tmp_path, tiny_grid("tp-parity", axes, world_size=4, tp_size=2), verify=True)
+    assert len(df) == 4
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["run_id", "status", "reason"]]
+    error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
+    assert (error < 0.05).all(), df[["run_id", "estimated_peak_gib", "tracked_peak_gib"]]
+    user = df[df.model == "tpmodels:mlp"].iloc[0]
+    assert user.collectives_per_dimension["tp"]["all_reduces"] >= 2 * 2  # a block's down, twice
