@@ -301,3 +301,24 @@ def test_tp_parity_across_precision_sequence_parallel_grouping_and_a_users_plan(
     assert (error < 0.05).all(), df[["run_id", "estimated_peak_gib", "tracked_peak_gib"]]
     user = df[df.model == "tpmodels:mlp"].iloc[0]
     assert user.collectives_per_dimension["tp"]["all_reduces"] >= 2 * 2  # a block's down, twice
+
+
+def test_the_report_lists_collectives_per_mesh_dimension() -> None:
+    import pandas as pd
+
+    from fsdp_bench.report.figure_data import collectives_by_dimension
+
+    per = {"shard": {"all_gathers": 9, "all_gather_bytes": 2 * 2**20},
+           "tp": {"all_reduces": 12, "all_reduce_bytes": 2**19}}  # fmt: skip
+    df = pd.DataFrame([
+        {"run_id": "a", "status": "ok", "tokens_per_s": 1.0, "world_size": 4, "tp_size": 2,
+         "collectives_per_dimension": per},
+        *({"run_id": run_id, "status": "ok", "tokens_per_s": 2.0, "world_size": 4, "tp_size": 1,
+           "collectives_per_dimension": {"shard": {"all_gathers": 9}}} for run_id in "bc"),
+    ])  # fmt: skip
+    table = collectives_by_dimension(df)
+    assert table[["configuration", "dimension"]].values.tolist() == [
+        ["W=4: tp_size=2", "shard"], ["W=4: tp_size=2", "tp"],
+    ]  # fmt: skip
+    assert table["all-gather"].tolist() == [9, 0] and table["all-gather MiB"].tolist() == [2, 0]
+    assert table["all-reduce"].tolist() == [0, 12] and table["all-reduce MiB"].tolist() == [0, 0.5]

@@ -243,6 +243,7 @@ def _measured_sections(
             "when that whole interval lies on one side of 1.",
             [("", report_tables.effects_table(effects))],
         ),
+        *_dimension_sections(df),
         html_report.Section(
             "Scaling",
             scaling_figure.skipped and f"No scaling table: {scaling_figure.skipped}.",
@@ -251,6 +252,18 @@ def _measured_sections(
         ),
     ]
     return sections, [*drawn, step_figure, scaling_figure]
+
+
+def _dimension_sections(df: pd.DataFrame) -> list[html_report.Section]:
+    """Collectives per mesh dimension, where some run's mesh has more than one."""
+    counts = figure_data.collectives_by_dimension(df)
+    if counts.empty:
+        return []
+    text = "Calls and MiB per optimizer step on each dimension of the mesh (rank 0's count): "
+    text += "FSDP2's all-gathers and reduce-scatters on shard, HSDP's all-reduces on replicate, "
+    text += "tensor parallelism's collectives on tp."
+    return [html_report.Section("Collectives per mesh dimension", text,
+                                [("", report_tables.dimension_table(counts))])]  # fmt: skip
 
 
 def _best_and_status_sections(inputs: Inputs, best: pd.DataFrame) -> list[html_report.Section]:

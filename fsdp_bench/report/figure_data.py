@@ -267,3 +267,24 @@ def tensor_parallel_points(df: pd.DataFrame) -> pd.DataFrame:
                "tokens_per_s_ci_high", "peak_memory_gib", "run_id"]  # fmt: skip
     out = fastest[columns].sort_values(["world_size", "tp_size"]).reset_index(drop=True)
     return out.astype({"world_size": int, "tp_size": int})
+
+
+def collectives_by_dimension(df: pd.DataFrame) -> pd.DataFrame:
+    """Per ok run over a mesh of more than one dimension (HSDP, tensor parallelism), a row
+    per dimension: its collectives per step and their MiB (`collectives_per_dimension`)."""
+    ok = ok_runs(df)
+    if "collectives_per_dimension" not in ok.columns:
+        return pd.DataFrame()
+    labels = config_labels(ok, config_columns(ok, ["world_size"]))  # apart from every run
+    ok = ok[ok["collectives_per_dimension"].map(lambda v: isinstance(v, dict) and len(v) > 1)]
+    rows = []
+    for index, run in ok.iterrows():
+        for dimension, counts in sorted(run["collectives_per_dimension"].items()):
+            row = {"configuration": f"W={int(run['world_size'])}: {labels.loc[index]}",
+                   "dimension": dimension}  # fmt: skip
+            for name, (calls, size) in COLLECTIVES.items():
+                field = calls.removesuffix("_per_step")
+                row[name] = counts.get(field, 0)
+                row[f"{name} MiB"] = counts.get(size.removesuffix("_per_step"), 0) / MIB
+            rows.append(row)
+    return pd.DataFrame(rows)

@@ -306,3 +306,12 @@ def estimate_table(accuracy: pd.DataFrame) -> pd.DataFrame:
         pattern = "{:+.1f}%" if column.endswith("error %") else "{:.3f}"
         shown_[column] = [_num(pattern)(v) for v in shown_[column]]
     return shown_.rename(columns=lambda c: c.replace(" error %", " error"))
+
+
+def dimension_table(counts: pd.DataFrame) -> pd.DataFrame:
+    """`figure_data.collectives_by_dimension` for people: calls as integers, MiB to 2 places."""
+    shown_ = counts.copy()
+    for column in shown_.columns[2:]:
+        pattern = "{:.2f}" if column.endswith("MiB") else "{:.0f}"
+        shown_[column] = [_num(pattern)(v) for v in shown_[column]]
+    return shown_
