@@ -278,9 +278,9 @@ def collectives_by_dimension(df: pd.DataFrame) -> pd.DataFrame:
     labels = config_labels(ok, config_columns(ok, ["world_size"]))  # apart from every run
     ok = ok[ok["collectives_per_dimension"].map(lambda v: isinstance(v, dict) and len(v) > 1)]
     rows = []
-    for index, run in ok.iterrows():
+    for label, (_, run) in zip(labels.loc[ok.index], ok.iterrows(), strict=True):
         for dimension, counts in sorted(run["collectives_per_dimension"].items()):
-            row = {"configuration": f"W={int(run['world_size'])}: {labels.loc[index]}",
+            row = {"configuration": f"W={int(run['world_size'])}: {label}",
                    "dimension": dimension}  # fmt: skip
             for name, (calls, size) in COLLECTIVES.items():
                 field = calls.removesuffix("_per_step")
