@@ -110,7 +110,9 @@ class CollectiveCounter(TorchDispatchMode):
             out = collective(tensor, *args, **kwargs)
             group = signature.bind(tensor, *args, **kwargs).arguments.get("group")
             found = None
-            if group is not None:
+            # no group, or one of an earlier fake world (a memory simulation: DTensor kept a
+            # mesh of the same shape from it): counted as "other"
+            with contextlib.suppress(RuntimeError, ValueError):
                 found = _resolve_process_group(funcol._resolve_group_name(group))
             self._count(kind, _nbytes(out if kind == "all_gather" else tensor), _ranks(found))
             return out
