@@ -108,7 +108,7 @@ class CollectiveCounter(TorchDispatchMode):
 
         def watched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             out = collective(tensor, *args, **kwargs)
-            group = signature.bind(tensor, *args, **kwargs).arguments.get("group")
+            group: Any = signature.bind(tensor, *args, **kwargs).arguments.get("group")
             found = None
             # no group, or one of an earlier fake world (a memory simulation: DTensor kept a
             # mesh of the same shape from it): counted as "other"
