@@ -1,5 +1,6 @@
-"""Tensor parallelism for the Llama presets: torchtitan's plan, applied on the meta device
-before activation checkpointing and fully_shard (torchtitan's order: TP, AC, compile, FSDP).
+"""Tensor parallelism, applied on the meta device before activation checkpointing and
+fully_shard (torchtitan's order: TP, AC, compile, FSDP): torchtitan's plan for the Llama
+presets, the plan transformers ships for `hf:` models, a user's own for their bundle.
 
 Each block's attention splits its heads over the TP group (wq, wk, wv column-wise, wo
 row-wise) and its MLP its hidden width (w1, w3 column-wise, w2 row-wise): one all-reduce, or
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -65,9 +66,7 @@ def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-        ),  # the logits split by vocabulary: the loss runs on them so
+        "output": _vocabulary_parallel(seq),
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
@@ -88,7 +87,7 @@ def apply_tensor_parallel(bundle: ModelBundle, mesh: DeviceMesh, sequence_parall
         base, plan = transformers_plan(model)
         parallelize_module(base, mesh, plan)
         if getattr(model, "lm_head", None) is not None:  # logits split, loss_parallel's
-            parallelize_module(model, mesh, {"lm_head": _vocabulary_parallel()})
+            parallelize_module(model, mesh, {"lm_head": _vocabulary_parallel(Replicate())})
 
 
 HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -127,5 +126,9 @@ def transformers_plan(model: nn.Module) -> tuple[nn.Module, dict[str, ParallelSt
     return getattr(model, "base_model", model), styles
 
 
-def _vocabulary_parallel() -> ParallelStyle:
-    return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+def _vocabulary_parallel(input_layout: Placement) -> ParallelStyle:
+    """The output projection split by vocabulary, its logits left split (a DTensor) for the
+    loss, which runs on them under `loss_parallel`."""
+    return ColwiseParallel(
+        input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False
+    )

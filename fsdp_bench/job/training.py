@@ -149,8 +149,14 @@ def forward_backward(
     around = loss_parallel if sharded_logits else contextlib.nullcontext
 
     def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        with around():
-            (loss_of(inputs, targets) / count).backward()
+        (loss_of(inputs, targets) / count).backward()
+
+    if sharded_logits:  # decided once here, as autocast: the timed loop holds the step only
+        plain_micro_batch = micro_batch
+
+        def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+            with loss_parallel():
+                plain_micro_batch(inputs, targets)
 
     def marked_micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         assert mark is not None
