@@ -151,13 +151,6 @@ def forward_backward(
     def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         (loss_of(inputs, targets) / count).backward()
 
-    if sharded_logits:  # decided once here, as autocast: the timed loop holds the step only
-        plain_micro_batch = micro_batch
-
-        def micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-            with loss_parallel():
-                plain_micro_batch(inputs, targets)
-
     def marked_micro_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         assert mark is not None
         with around():
@@ -166,7 +159,11 @@ def forward_backward(
             with mark("backward"):
                 loss.backward()
 
-    one = micro_batch if mark is None else marked_micro_batch
+    one: Callable[[torch.Tensor, torch.Tensor], None] = (
+        marked_micro_batch if mark is not None else micro_batch
+    )
+    if mark is None and sharded_logits:  # decided once, as autocast: nothing more per step
+        one = _under_loss_parallel(micro_batch)
 
     def run_micro_batches() -> None:
         for index, (inputs, targets) in enumerate(batches):
@@ -184,6 +181,16 @@ def autocast_dtype(run: RunConfig) -> torch.dtype | None:
     if run.strategy == "ddp" and run.fsdp.mixed_precision == "bf16":
         return torch.bfloat16
     return None
+
+
+def _under_loss_parallel(
+    micro_batch: Callable[[torch.Tensor, torch.Tensor], None],
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def wrapped(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        with loss_parallel():
+            micro_batch(inputs, targets)
+
+    return wrapped
 
 
 def make_train_step(
