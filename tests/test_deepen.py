@@ -9,10 +9,11 @@ import pytest
 
 from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig, TrainConfig
 from fsdp_bench.memory.alloc_trace import AllocationTrace
-from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period, structure
+from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, structure
 from fsdp_bench.memory.fake_step import record_step, simulate_step
 from fsdp_bench.memory.pool import in_subprocesses
-from fsdp_bench.memory.simulate import _deepening, _with_layers
+from fsdp_bench.memory.repeat_step import repeat_step, repeats
+from fsdp_bench.memory.simulate import _checked, _deepenings
 
 DEEP = 12
 
@@ -48,29 +49,34 @@ def _sized(trace: AllocationTrace) -> list[tuple[object, ...]]:
     return list(zip(structure(trace), sizes, strict=True))
 
 
-def compare(name: str) -> tuple[str, bool, bool]:
-    """(name, same structure, same sizes) of the deep trace made and simulated; top level,
-    for the process pool."""
+def compare(name: str) -> tuple[str, int, bool, bool, bool]:
+    """(name, shallow blocks, one step simulated, same structure, same sizes) of the deep trace
+    made as the estimate makes it (`_checked`: the plan whose one-period check holds, its
+    shallow trace) and the deep model simulated; top level, for the process pool."""
     run = _run(name)
-    plan = _deepening(run)
-    assert plan is not None, name
-    small = record_step(_with_layers(run, plan.blocks), "cuda").trace
-    check = record_step(_with_layers(run, plan.blocks + plan.period), "cuda").trace
-    growth = growth_per_period(
-        deepen(small, plan.blocks, plan.blocks + plan.period, *plan.template), check
+    own = _checked(run, "cuda", _deepenings(run))
+    made = grown(
+        own.shallow.deepened(DEEP), own.growth, (DEEP - own.plan.blocks) // own.plan.period
     )
-    made = deepen(small, plan.blocks, DEEP, *plan.template)
-    made = grown(made, growth, (DEEP - plan.blocks) // plan.period)
     simulated = record_step(run, "cuda").trace
-    return name, structure(made) == structure(simulated), _sized(made) == _sized(simulated)
+    same, sized = structure(made) == structure(simulated), _sized(made) == _sized(simulated)
+    return name, own.plan.blocks, own.one_step, same, sized
 
 
 @pytest.mark.slow
 def test_deepened_traces_are_the_simulated_ones() -> None:
+    """Every configuration deepens exactly, from a trace of one simulated step. Where a block
+    frees what the block two before it made (an explicit prefetch's all-gather, an input kept
+    without checkpointing), the template needs a period like it before it: the second plan,
+    a period deeper, whose shallow trace the first plan's failed check already simulated."""
     results = in_subprocesses(compare, list(CONFIGS), user_code=False)
-    found = {name: (same, sized) for _, (name, same, sized) in results}
-    assert all(same for same, _ in found.values()), found
-    assert all(sized for _, sized in found.values()), found
+    found = {name: rest for _, (name, *rest) in results}
+    assert all(same and sized for _, _, same, sized in found.values()), found
+    assert all(one_step for _, one_step, _, _ in found.values()), found
+    # With checkpointing a block's input is freed by the block itself: the first plan holds
+    # (3 blocks; every_2: 2 + a period of 2 + 2); without, the second one.
+    assert found["selective-op"][0] == 3 and found["every-2"][0] == 6, found
+    assert found["block"][0] == 4 and found["prefetch-2"][0] == 6, found
 
 
 def test_the_trace_gives_the_trackers_peak() -> None:
@@ -127,4 +133,33 @@ def test_a_rotary_table_is_not_taken_for_a_blocks_post_forward_shard() -> None:
         fsdp=FsdpConfig(reshard_after_forward=8, mixed_precision="bf16",
                         activation_checkpointing="block"),
     ).canonical()  # fmt: skip
-    assert simulate(run, device_type="cuda").method.startswith("deepened from 4 blocks")
+    assert simulate(run, device_type="cuda").method.startswith("deepened from 3 blocks")
+
+
+def test_the_measured_step_is_the_warmup_step_repeated() -> None:
+    """The second step of a simulation allocates what the first did, but the optimizer's
+    state (made once, lazily, by the first step) and frees of what set-up made; with them
+    the whole trace is made from one step, event for event, with tags and categories."""
+    run = dataclasses.replace(_run("bf16"), model=ModelConfig(name="small", n_layers=3))
+    trace = record_step(run, "cuda").trace
+    assert repeats(trace)
+    one = record_step(run, "cuda", steps=1).trace
+    made = repeat_step(one)
+    assert _sized(made) == _sized(trace) and made.tags == trace.tags
+    state = [k for k, category in one.categories.items() if category == "optimizer_state"]
+    assert state and not any(("again", k) in made.categories for k in state)
+
+
+def test_a_second_step_that_differs_is_not_taken_for_the_first_repeated() -> None:
+    setup = [("alloc", "w", 512, "default")]
+    first = [("alloc", "a", 1024, "default"), ("free", "a"), ("alloc", "s", 512, "default")]
+    second = [("alloc", "b", 2048, "default"), ("free", "b")]  # not the first's size
+    trace = AllocationTrace(
+        events=setup + first + second,
+        tags=[None] * 6,
+        categories={"w": "parameter", "a": "temp", "s": "optimizer_state", "b": "temp"},
+        marks={"warmup": 1, "step": 4},
+    )
+    assert not repeats(trace)
+    trace.events[4] = ("alloc", "b", 1024, "default")
+    assert repeats(trace)

@@ -275,14 +275,17 @@ class _Recorder(TorchDispatchMode):
         at its new one, a parameter."""
         if storage not in self._token:
             self._register(storage, None)
-            return
-        token = self._token[storage]
-        tag = self._tag[token]
-        self._free(token)
-        self._key[token] = None
-        self._tag[token] = tag
-        self._allocate(token, num_bytes)
-        key = self._key[token]
+        else:
+            token = self._token[storage]
+            tag = self._tag[token]
+            previous = self._key[token]  # made by an operator (the first unshard's empty)
+            if previous is not None:
+                self.trace.categories[previous] = "parameter"
+            self._free(token)
+            self._key[token] = None
+            self._tag[token] = tag
+            self._allocate(token, num_bytes)
+        key = self._key[self._token[storage]]
         if key is not None:  # what the tracker counts them as
             self.trace.categories[key] = "parameter"
 

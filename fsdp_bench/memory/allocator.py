@@ -32,6 +32,7 @@ ProcessGroupNCCL avoid it since torch 2.8, pytorch/pytorch#150398).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 MIN_BLOCK_BYTES = 512
@@ -102,7 +103,9 @@ class CachingAllocator:
         self.capacity_bytes = capacity_bytes
         self.stats = AllocatorStats()
         self._segments: list[_Segment] = []
-        self._free: dict[tuple[object, bool], list[_Block]] = {}
+        self._free: dict[tuple[object, bool], list[tuple[int, int, int, _Block]]] = {}
+        """Each (stream, pool)'s free blocks, sorted as best fit picks them: by size, then
+        segment and offset (the lowest address)."""
         self._live: dict[object, _Block] = {}
         self._order = 0
 
@@ -112,7 +115,11 @@ class CachingAllocator:
             raise ValueError(f"allocation {key!r} is live already")
         size = round_size(num_bytes)
         small = size <= SMALL_REQUEST_BYTES
-        block = self._best_fit(stream, small, size) or self._grow(stream, small, size)
+        block = self._best_fit(stream, small, size)
+        if block is not None:
+            self._unlist(block)
+        else:
+            block = self._grow(stream, small, size)
         self._take(block, size)
         self._live[key] = block
         self.stats.allocated_bytes += block.size
@@ -150,15 +157,16 @@ class CachingAllocator:
                     self._unlist(tail)
                     segment.blocks.remove(tail)
                 elif unmapped:
+                    self._unlist(tail)
                     tail.size -= unmapped
+                    self._list(tail)
                 segment.size -= unmapped
                 self.stats.reserved_bytes -= unmapped
 
     def _best_fit(self, stream: object, small: bool, size: int) -> _Block | None:
-        fits = [b for b in self._free.get((stream, small), []) if b.size >= size]
-        if not fits:
-            return None
-        return min(fits, key=lambda b: (b.size, b.segment.order, b.offset))
+        pool = self._free.get((stream, small), [])
+        index = bisect_left(pool, (size,))
+        return pool[index][3] if index < len(pool) else None
 
     def _grow(self, stream: object, small: bool, size: int) -> _Block:
         """A new segment (or, expandable, more pages of the stream's one), retried once with
@@ -211,9 +219,8 @@ class CachingAllocator:
         return block
 
     def _take(self, block: _Block, size: int) -> None:
-        """Hand `block` out for `size` bytes, split when the allocator would split it."""
-        if block in self._free.get((block.segment.stream, block.segment.small), []):
-            self._unlist(block)
+        """Hand `block` (free, not listed) out for `size` bytes, split when the allocator would
+        split it."""
         remaining = block.size - size
         splits = remaining >= MIN_BLOCK_BYTES
         if not (block.segment.small or self.expandable):
@@ -233,9 +240,13 @@ class CachingAllocator:
         self.stats.reserved_bytes -= segment.size
 
     def _list(self, block: _Block) -> None:
-        self._free.setdefault((block.segment.stream, block.segment.small), []).append(block)
+        pool = self._free.setdefault((block.segment.stream, block.segment.small), [])
+        insort(pool, (block.size, block.segment.order, block.offset, block))
 
     def _unlist(self, block: _Block) -> None:
-        pool = self._free.get((block.segment.stream, block.segment.small), [])
-        if block in pool:
-            pool.remove(block)
+        """Take a listed free block off its list (before its size changes)."""
+        pool = self._free[(block.segment.stream, block.segment.small)]
+        index = bisect_left(pool, (block.size, block.segment.order, block.offset))
+        if pool[index][3] is not block:
+            raise AssertionError("allocator model: a free block is not listed")
+        del pool[index]

@@ -90,49 +90,70 @@ def deepen(
     trace: AllocationTrace, blocks: int, target: int, template_start: int, period: int
 ) -> AllocationTrace:
     """`trace` of a `blocks`-block model as a `target`-block model would make it."""
-    if (target - blocks) % period or target < blocks:
-        raise CannotDeepen(f"{target} blocks are not {blocks} and whole periods of {period}")
-    copies = (target - blocks) // period + 1
-    later_shift = (copies - 1) * period
-    template = range(template_start, template_start + period)
-    tags = _effective_tags(trace)
-    sweeps = _sweeps(tags, period)
-    freed_in = _freeing_sweeps(trace, sweeps)
-    role: dict[Any, tuple[int, int, int, int | None]] = {}
-    for number, runs in enumerate(sweeps):
-        alignments = _alignments(trace, runs, template, freed_in)
-        for run, aligned in zip(runs, alignments, strict=True):
-            for position, event_index in enumerate(run.positions):
-                event = trace.events[event_index]
-                if event[0] != "alloc":
-                    continue
-                if position in aligned and run.tag < blocks:  # the head has no copies
-                    role[event[1]] = (number, aligned[position], run.tag, None)
-                else:  # keyed apart from the aligned ones
-                    fixed = later_shift if run.tag > template[-1] else 0
-                    role[event[1]] = (number, -1 - position, run.tag, fixed)
+    return ShallowTrace(trace, blocks, template_start, period).deepened(target)
 
-    out = _Deep(AllocationTrace(), template, _freed_at_once(trace, role, period))
-    start_of_sweep = {runs[0].positions[0]: number for number, runs in enumerate(sweeps)}
-    mark_at = {index: name for name, index in trace.marks.items()}
-    index = 0
-    while index < len(trace.events):
-        if index in mark_at:
-            out.trace.marks[mark_at[index]] = len(out.trace.events)
-        if index not in start_of_sweep:
-            _emit(trace, index, tags[index], 0, role, out)
-            index += 1
-            continue
-        runs = sweeps[start_of_sweep[index]]
-        for run, shift in _expanded(runs, template, copies, later_shift):
-            for position in run.positions:
-                if position in mark_at and position != index:
-                    out.trace.marks[mark_at[position]] = len(out.trace.events)
-                _emit(trace, position, tags[position], shift, role, out)
-        index = runs[-1].positions[-1] + 1
-    for name in trace.marks.keys() - out.trace.marks.keys():  # marks at the very end
-        out.trace.marks[name] = len(out.trace.events)
-    return out.trace
+
+class ShallowTrace:
+    """A `blocks`-block model's trace, its sweeps and the role of each allocation found once
+    for every depth it is deepened to (the one-period check's and the model's)."""
+
+    def __init__(
+        self, trace: AllocationTrace, blocks: int, template_start: int, period: int
+    ) -> None:
+        self.trace, self.blocks, self.period = trace, blocks, period
+        self.template = range(template_start, template_start + period)
+        self.tags = _effective_tags(trace)
+        self.sweeps = _sweeps(self.tags, period)
+        freed_in = _freeing_sweeps(trace, self.sweeps)
+        self.role: dict[Any, _Role] = {}
+        for number, runs in enumerate(self.sweeps):
+            alignments = _alignments(trace, runs, self.template, freed_in)
+            for run, aligned in zip(runs, alignments, strict=True):
+                for position, event_index in enumerate(run.positions):
+                    event = trace.events[event_index]
+                    if event[0] != "alloc":
+                        continue
+                    if position in aligned and run.tag < blocks:  # the head has no copies
+                        self.role[event[1]] = (number, aligned[position], run.tag, None)
+                    else:  # keyed apart from the aligned ones
+                        later = run.tag > self.template[-1]
+                        self.role[event[1]] = (number, -1 - position, run.tag, later)
+        self.batch = _freed_at_once(trace, self.role, period)
+
+    def deepened(self, target: int) -> AllocationTrace:
+        """The trace a `target`-block model would make."""
+        trace, blocks, period, tags = self.trace, self.blocks, self.period, self.tags
+        if (target - blocks) % period or target < blocks:
+            raise CannotDeepen(f"{target} blocks are not {blocks} and whole periods of {period}")
+        copies = (target - blocks) // period + 1
+        later_shift = (copies - 1) * period
+        out = _Deep(AllocationTrace(), self.role, self.batch, later_shift)
+        start_of_sweep = {runs[0].positions[0]: number for number, runs in enumerate(self.sweeps)}
+        mark_at = {index: name for name, index in trace.marks.items()}
+        index = 0
+        while index < len(trace.events):
+            if index in mark_at:
+                out.trace.marks[mark_at[index]] = len(out.trace.events)
+            if index not in start_of_sweep:
+                _emit(trace, index, tags[index], 0, out)
+                index += 1
+                continue
+            runs = self.sweeps[start_of_sweep[index]]
+            for run, shift in _expanded(runs, self.template, copies, later_shift):
+                for position in run.positions:
+                    if position in mark_at and position != index:
+                        out.trace.marks[mark_at[position]] = len(out.trace.events)
+                    _emit(trace, position, tags[position], shift, out)
+            index = runs[-1].positions[-1] + 1
+        for name in trace.marks.keys() - out.trace.marks.keys():  # marks at the very end
+            out.trace.marks[name] = len(out.trace.events)
+        return out.trace
+
+
+_Role = tuple[int, int, int, bool | None]
+"""An allocation's role: (sweep, position in its block's run as aligned with the template's,
+block, later). `later` None: aligned, copied with its block; else the run's own event, not
+copied, moved past the copies if its block comes after the template (`later`)."""
 
 
 @dataclass
@@ -141,15 +162,14 @@ class _Deep:
     allocation, and the shallow frees that free every copy (`_freed_at_once`)."""
 
     trace: AllocationTrace
-    template: range
+    role: dict[Any, _Role]
     batch: set[int]
+    later_shift: int
     live: set[Any] = field(default_factory=set)
     copies: dict[Any, list[Any]] = field(default_factory=dict)
 
 
-def _freed_at_once(
-    trace: AllocationTrace, role: dict[Any, tuple[int, int, int, int | None]], period: int
-) -> set[int]:
+def _freed_at_once(trace: AllocationTrace, role: dict[Any, _Role], period: int) -> set[int]:
     """The frees, among frees made one after another, of one role's allocations in more
     blocks than a period: a cache cleared at once (autocast's casts of every block's weights,
     as backward begins), which in the deep model frees every copy, not one at a distance."""
@@ -171,25 +191,19 @@ def _freed_at_once(
     return batch
 
 
-def _emit(
-    trace: AllocationTrace,
-    index: int,
-    tag: int | None,
-    shift: int,
-    role: dict[Any, tuple[int, int, int, int | None]],
-    out: _Deep,
-) -> None:
+def _emit(trace: AllocationTrace, index: int, tag: int | None, shift: int, out: _Deep) -> None:
     """Event `index` of the shallow trace for the block `shift` blocks further on. What is
     allocated outside the part of a run that all blocks share (the embedding, the head) has
     no copies: whoever frees it frees the one allocation, where its block was moved to; a
     free made at once with others of its kind (`_freed_at_once`) frees every copy alive."""
     event = trace.events[index]
-    where = role.get(event[1])
+    where = out.role.get(event[1])
     if where is None:
         key = event[1]
     else:
-        number, aligned, block, fixed = where
-        key = (number, aligned, block + (shift if fixed is None else fixed))
+        number, aligned, block, later = where
+        moved = shift if later is None else out.later_shift if later else 0
+        key = (number, aligned, block + moved)
     if event[0] == "alloc":
         if key in out.live:
             raise CannotDeepen(f"allocation {key} made twice")

@@ -27,6 +27,7 @@ from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
 from fsdp_bench.memory.fake import fake_tensors, fake_world
+from fsdp_bench.memory.repeat_step import STEP, WARMUP
 
 
 @dataclass
@@ -71,9 +72,10 @@ class RecordedStep:
     """With CPU offload: `MemoryReport.offloaded_shard_bytes`, `offloaded_state_bytes`."""
 
 
-def record_step(run: RunConfig, device_type: str = "cpu") -> RecordedStep:
+def record_step(run: RunConfig, device_type: str = "cpu", *, steps: int = 2) -> RecordedStep:
     """`simulate_step`'s two steps without the tracker, every allocation recorded and tagged
-    with its block, classified as the tracker would (parameters, gradients, optimizer state)."""
+    with its block, classified as the tracker would (parameters, gradients, optimizer state).
+    `steps=1`: set-up and the warm-up step only, the measured step left to `repeat_step`."""
     with _simulated_model(run, device_type) as (model, bundle, device):
         context = BlockContext(bundle.blocks)
         with fake_tensors(), recording(context) as recorder:
@@ -92,10 +94,12 @@ def record_step(run: RunConfig, device_type: str = "cpu") -> RecordedStep:
                     yield
 
             step = make_train_step(model, optimizer, batches, run, mark=phase)
+            recorder.mark(WARMUP)
             step()
             recorder.classify(_state_tensors(optimizer), "optimizer_state")
-            recorder.mark("step")
-            step()
+            recorder.mark(STEP)
+            if steps == 2:
+                step()
             memory = MemoryReport(0)
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)

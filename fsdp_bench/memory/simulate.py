@@ -25,8 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
-from fsdp_bench.memory.deepen import CannotDeepen, deepen, grown, growth_per_period, structure
-from fsdp_bench.memory.fake_step import record_step, simulate_step
+from fsdp_bench.memory.alloc_trace import AllocationTrace
+from fsdp_bench.memory.deepen import (
+    CannotDeepen,
+    ShallowTrace,
+    grown,
+    growth_per_period,
+    structure,
+)
+from fsdp_bench.memory.fake_step import RecordedStep, record_step, simulate_step
+from fsdp_bench.memory.repeat_step import repeat_step, repeats
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,11 @@ def simulate_alike(runs: list[RunConfig], *, device_type: str = "cpu") -> list[S
     out = []
     for run in runs:
         start = time.perf_counter()
-        plan = _deepening(run)
+        plans = _deepenings(run)
         estimate = None
-        if plan is not None and not refused:
+        if plans and not refused:
             try:
-                estimate, checked = _deepened(run, device_type, plan, checked, start)
+                estimate, checked = _deepened(run, device_type, plans, checked, start)
             except CannotDeepen:
                 refused = True  # the others' traces are alike: trace them whole too
         out.append(estimate or _whole(run, device_type, start))
@@ -110,27 +118,38 @@ class _Deepening:
     def template(self) -> tuple[int, int]:
         return self.template_start, self.period
 
+    @property
+    def checked_at(self) -> int:
+        return self.blocks + self.period
 
-def _deepening(run: RunConfig) -> _Deepening | None:
-    """How a deep model's trace is made from a shallow one's; None: not a model whose depth can
-    change, or one too shallow to gain from it.
+    def analysed(self, trace: AllocationTrace) -> ShallowTrace:
+        """A `blocks`-block trace ready to be deepened by this plan."""
+        return ShallowTrace(trace, self.blocks, self.template_start, self.period)
+
+
+def _deepenings(run: RunConfig) -> list[_Deepening]:
+    """How a deep model's trace can be made from a shallow one's, the shallowest first; none
+    for a model whose depth cannot change, or one too shallow to gain from it.
 
     The template is a period of blocks that are alike: `period` blocks make one FSDP group
     (blocks:K) and one round of every_N checkpointing. The first blocks (as many periods as
-    the prefetch depth) and the last ones are not alike and are kept around it."""
+    the prefetch depth) and the last ones are not alike and are kept around it. Where a block
+    frees what the block two before it made (its input, kept by the block without
+    checkpointing; an explicit prefetch's all-gather), the template needs a period like it
+    before it: the second plan; which one holds, the one-period check says."""
     target = _num_layers(run)  # None for a user's module
     if target is None:
-        return None
+        return []
     per_group = grouping_block_count(str(run.fsdp.grouping)) or 1
     every = checkpointed_every(run.fsdp.activation_checkpointing) or 1
     period = math.lcm(per_group, every)
     depth = 0 if run.fsdp.prefetch == "implicit" else int(run.fsdp.prefetch)
     margin = period * max(1, depth)
-    left = margin + period  # the first blocks, then a period like the template
-    blocks = left + period + margin
-    if target % period or target <= blocks + period:
-        return None
-    return _Deepening(blocks, left, period, target)
+    shallow = _Deepening(margin + period + margin, margin, period, target)
+    spaced = _Deepening(shallow.blocks + period, margin + period, period, target)
+    if target % period or target <= spaced.checked_at:
+        return []
+    return [shallow, spaced]
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,10 @@ class _Checked:
     """What a run's one-period check showed, for the runs alike but for world size."""
 
     world_size: int
+    plan: _Deepening
+    one_step: bool
+    """Its measured step was its warm-up step repeated (`repeat_step`): the others simulate
+    one step."""
     shallow: list[tuple[Any, ...]]
     """The shallow trace's `structure`, and the one deepened by one period, with which
     shallow event each of its events copies."""
@@ -145,37 +168,103 @@ class _Checked:
     sources: list[int]
 
 
-def _deepened(
-    run: RunConfig, device_type: str, plan: _Deepening, checked: _Checked | None, start: float
-) -> tuple[SimulatedEstimate, _Checked | None]:
-    """The estimate from a `plan.blocks`-block simulation, deepened to the model's depth, once
-    the same deepening by one period has reproduced a simulated trace, allocation for
-    allocation (sizes that hold every block grown as they grew in that period). `checked`: a
-    run alike but for its world size passed that check with no size growing; if this run's
-    trace deepens by one period into the same events, the check stands for it.
-    Returns the estimate and the check that later alike runs may use."""
-    small = record_step(_with_layers(run, plan.blocks), device_type)
-    made = deepen(small.trace, plan.blocks, plan.blocks + plan.period, *plan.template)
-    mine = _Checked(run.world_size, structure(small.trace), structure(made), made.sources)
-    deeper = plan.blocks + plan.period
-    periods = (plan.target - plan.blocks) // plan.period
-    if checked is not None and (mine.shallow, mine.made, mine.sources) == (
-        checked.shallow, checked.made, checked.sources
-    ):  # fmt: skip
-        growth: dict[int, int] = {}
-        offloaded = (0, 0)  # checks are not shared under CPU offload
-        at = f"{deeper}, {checked.world_size} ranks"
-    else:
-        check = record_step(_with_layers(run, deeper), device_type)
+@dataclass
+class _Check:
+    """A run's own one-period check: the plan that held, its shallow simulation and the one a
+    period deeper, the shallow trace deepened by that period, and how sizes grew in it."""
+
+    plan: _Deepening
+    small: RecordedStep
+    shallow: ShallowTrace
+    deeper: RecordedStep
+    made: AllocationTrace
+    growth: dict[int, int]
+    one_step: bool
+
+    def offloaded(self) -> tuple[int, int]:
+        """With CPU offload, the host's shards and optimizer state at the model's depth: they
+        grow by the same bytes each period."""
+        periods = (self.plan.target - self.plan.blocks) // self.plan.period
+        (shard_a, state_a), (shard_b, state_b) = self.small.offloaded, self.deeper.offloaded
+        return shard_a + (shard_b - shard_a) * periods, state_a + (state_b - state_a) * periods
+
+    def for_alike(self, world_size: int) -> _Checked:
+        return _Checked(
+            world_size, self.plan, self.one_step, structure(self.small.trace),
+            structure(self.made), self.made.sources,
+        )  # fmt: skip
+
+
+def _checked(run: RunConfig, device_type: str, plans: list[_Deepening]) -> _Check:
+    """The first plan whose shallow trace, deepened by one period, is the simulated trace of
+    that depth, allocation for allocation (sizes that hold every block grown as they grew).
+    The second plan's shallow depth is the first's check: the simulations are shared. The
+    shallow simulation runs one step where the deeper one's second step repeats its first."""
+    first, spaced = plans
+    deeper = record_step(_with_layers(run, first.checked_at), device_type)
+    one_step = repeats(deeper.trace)
+    small = _recorded(run, first.blocks, device_type, one_step)
+    try:
+        shallow = first.analysed(small.trace)
+        made = shallow.deepened(first.checked_at)
+        growth = growth_per_period(made, deeper.trace)
+        return _Check(first, small, shallow, deeper, made, growth, one_step)
+    except CannotDeepen:
+        check = record_step(_with_layers(run, spaced.checked_at), device_type)
+        shallow = spaced.analysed(deeper.trace)
+        made = shallow.deepened(spaced.checked_at)
         growth = growth_per_period(made, check.trace)
-        (shard_a, state_a), (shard_b, state_b) = small.offloaded, check.offloaded
-        offloaded = (
-            shard_a + (shard_b - shard_a) * periods,
-            state_a + (state_b - state_a) * periods,
-        )
-        at = str(deeper)
-        checked = mine if not growth and not run.fsdp.cpu_offload else None
-    deep = grown(deepen(small.trace, plan.blocks, plan.target, *plan.template), growth, periods)
+        return _Check(spaced, deeper, shallow, check, made, growth, one_step)
+
+
+def _shared(run: RunConfig, device_type: str, checked: _Checked) -> ShallowTrace | None:
+    """`run`'s shallow trace by `checked`'s plan, if it deepens by one period into the same
+    events as `checked`'s did: that check stands for it."""
+    plan = checked.plan
+    small = _recorded(run, plan.blocks, device_type, checked.one_step)
+    try:
+        shallow = plan.analysed(small.trace)
+        made = shallow.deepened(plan.checked_at)
+    except CannotDeepen:
+        return None
+    mine = (structure(small.trace), structure(made), made.sources)
+    return shallow if mine == (checked.shallow, checked.made, checked.sources) else None
+
+
+def _recorded(run: RunConfig, blocks: int, device_type: str, one_step: bool) -> RecordedStep:
+    """The `blocks`-block simulation of `run`'s two steps; with `one_step`, the second made
+    from the first (`repeat_step`)."""
+    if not one_step:
+        return record_step(_with_layers(run, blocks), device_type)
+    recorded = record_step(_with_layers(run, blocks), device_type, steps=1)
+    return dataclasses.replace(recorded, trace=repeat_step(recorded.trace))
+
+
+def _deepened(
+    run: RunConfig,
+    device_type: str,
+    plans: list[_Deepening],
+    checked: _Checked | None,
+    start: float,
+) -> tuple[SimulatedEstimate, _Checked | None]:
+    """The estimate from a shallow simulation deepened to the model's depth, once the same
+    deepening by one period has reproduced a simulated trace (`_checked`). `checked`: a run
+    alike but for its world size passed that check with no size growing; if this run's
+    trace deepens by one period into the same events, the check stands for it (`_shared`).
+    Returns the estimate and the check that later alike runs may use."""
+    shallow = _shared(run, device_type, checked) if checked is not None else None
+    if shallow is not None and checked is not None:
+        plan, growth = checked.plan, {}
+        offloaded = (0, 0)  # checks are not shared under CPU offload
+        at = f"{plan.checked_at}, {checked.world_size} ranks"
+    else:
+        own = _checked(run, device_type, plans)
+        plan, shallow, growth, offloaded = own.plan, own.shallow, own.growth, own.offloaded()
+        at = str(plan.checked_at)
+        alike = not growth and not run.fsdp.cpu_offload
+        checked = own.for_alike(run.world_size) if alike else None
+    periods = (plan.target - plan.blocks) // plan.period
+    deep = grown(shallow.deepened(plan.target), growth, periods)
     peak, breakdown = deep.live_peak("step", with_inputs=run.strategy == "ddp")
     cuda = device_type == "cuda"
     allocator = deep.allocator_peaks(expandable=run.train.expandable_segments) if cuda else (0, 0)
