@@ -14,7 +14,7 @@ import pytest
 from fsdp_bench.config.grid import expand, load_grid
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.errors import ConfigError, FieldError
-from fsdp_bench.job.worker import JobSpec
+from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.slurm import SlurmLauncher
 from tests.conftest import REPO, write_grid
 

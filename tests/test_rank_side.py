@@ -16,7 +16,8 @@ from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.config.run import FsdpConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.failures import classify, classify_text
+from fsdp_bench.job.failure_words import classify_text
+from fsdp_bench.job.failures import classify
 from fsdp_bench.job.flops import peak_flops
 from fsdp_bench.job.models import attention_backend, attention_inputs
 from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device, rank_info

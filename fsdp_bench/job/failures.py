@@ -20,32 +20,13 @@ from typing import NoReturn
 import torch
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.failure_words import classify_text
 from fsdp_bench.job.rendezvous import RankInfo, hostname
 from fsdp_bench.store import now_iso, write_atomic
 
 
 class Terminated(BaseException):
     """The scheduler is ending the job (scancel, requeue, time limit): stop at once."""
-
-
-# Out-of-memory as the allocators and libraries word it when they do not raise
-# torch.OutOfMemoryError: the CPU allocator ("can't allocate memory"), a CUDA runtime error
-# surfaced by a kernel ("CUDA error: out of memory"), NCCL failing to allocate its buffers
-# ("unhandled cuda error ... Cuda failure 'out of memory'"), cuBLAS failing to allocate its
-# workspace (CUBLAS_STATUS_ALLOC_FAILED).
-_OOM_SIGNS = (
-    "can't allocate memory",
-    "out of memory",
-    "cudaerrormemoryallocation",
-    "cublas_status_alloc_failed",
-)
-_TIMEOUT_SIGNS = ("timed out", "timeout")
-_PEER_SIGNS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "econnreset",
-)
 
 
 def classify(err: BaseException) -> str:
@@ -55,18 +36,6 @@ def classify(err: BaseException) -> str:
     if isinstance(err, torch.OutOfMemoryError):
         return "oom"
     return classify_text(f"{type(err).__name__}: {err}")
-
-
-def classify_text(text: str) -> str:
-    """The class of a failure from its words (an exception's, or a log line's)."""
-    lowered = text.lower()
-    if any(sign in lowered for sign in _OOM_SIGNS):
-        return "oom"
-    if any(sign in lowered for sign in _TIMEOUT_SIGNS):
-        return "timeout"
-    if any(sign in lowered for sign in _PEER_SIGNS):
-        return "peer"
-    return "error"
 
 
 def note_failure(inflight: Path, info: RankInfo, err: BaseException, **extra: object) -> None:

@@ -51,6 +51,7 @@ from fsdp_bench.job.rendezvous import (
     pick_device,
     rank_info,
 )
+from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.job.step_trace import trace_file
 from fsdp_bench.job.timing import GRACE_S, StepMeasurements, compile_time_s, measure_steps
 from fsdp_bench.job.training import (
@@ -63,22 +64,6 @@ from fsdp_bench.job.training import (
 )
 from fsdp_bench.job.watchdog import Watchdog
 from fsdp_bench.store import EstimatedPeaks, Flops, ResultStore, now_iso
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything a job needs; pickled by submitit and shipped to every rank."""
-
-    runs: tuple[RunConfig, ...]
-    results_dir: str
-    device: str = "auto"
-    cpu_threads_per_rank: int | None = None
-    collective_timeout_s: float = 300.0
-    verify: bool = False
-    estimates: dict[str, EstimatedPeaks] = field(default_factory=dict)
-    """run_id -> the peaks estimated before launch, copied into each record."""
-    flops: dict[str, Flops] = field(default_factory=dict)
-    """run_id -> FLOPs per token (for MFU), found before launch."""
 
 
 @dataclass

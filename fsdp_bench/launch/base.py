@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from fsdp_bench.job.worker import JobSpec
+from fsdp_bench.job.spec import JobSpec
 
 
 class SubmittedJob(Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.worker import JobSpec
+from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
 from fsdp_bench.launch.verdicts import (
     REQUEUED_STATUSES,

@@ -27,7 +27,8 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, ResultsError
 from fsdp_bench.job.failures import handle_scheduler_signals
 from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
-from fsdp_bench.job.worker import JobSpec, init_job_group, run_job
+from fsdp_bench.job.spec import JobSpec
+from fsdp_bench.job.worker import init_job_group, run_job
 from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
 from fsdp_bench.memory.device_memory import calibration
 from fsdp_bench.memory.estimate import cached_estimates, target_device

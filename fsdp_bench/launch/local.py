@@ -15,7 +15,7 @@ import submitit
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.worker import JobSpec, run_job
+from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.base import tail
 from fsdp_bench.memory.estimate import target_device
 
@@ -91,6 +91,8 @@ class LocalLauncher:
             timeout_min=self.config.timeout_min,
             gpus_per_node=world_size if self._uses_cuda() else 0,
         )
+        from fsdp_bench.job.worker import run_job  # torch: only where a job is submitted
+
         with interruptible_children():
             handle = executor.submit(run_job, spec)
         return LocalJob(job_id=str(handle.job_id), folder=self.folder, handle=handle)

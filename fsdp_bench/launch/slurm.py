@@ -19,7 +19,7 @@ from submitit.core.utils import JobPaths
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.errors import LaunchError, one_line
-from fsdp_bench.job.worker import JobSpec, run_job
+from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.base import tail
 
 COMMAND_TIMEOUT_S = 60
@@ -67,6 +67,8 @@ class SlurmLauncher:
 
     def submit(self, specs: list[JobSpec]) -> list[SlurmJob]:
         """Jobs of one shape; several go out as one job array (callers split at max_array_size)."""
+        from fsdp_bench.job.worker import run_job  # torch: only where a job is submitted
+
         executor = self.executor(specs[0])
         try:
             if len(specs) == 1:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.failures import classify_text
+from fsdp_bench.job.failure_words import classify_text
 from fsdp_bench.store import EstimatedPeaks, RunResult, now_iso
 
 # Scheduler end states that explain a run's end better than its ranks' last words.
