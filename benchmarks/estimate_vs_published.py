@@ -111,9 +111,10 @@ ROWS = [
     Published("torchtitan T2: 8B, seq 32768, full AC, compile, float8", TORCHTITAN_BENCH,
               "| FSDP 8, CP 1 | 32768 | 3,890 | 83.9 |", "reserved", 83.9,
               missing="compiled runs' memory; float8 linears"),
+    # FSDP 32 x TP 8 itself is expressible: results/2026-12-04-tp-70b-estimate.txt.
     Published("torchtitan T4: Llama-3.1-70B, 256 GPUs, FSDP 32 x TP 8", TORCHTITAN_BENCH,
               "| 2D | 829 | 71.9 |", "reserved", 71.9,
-              missing="tensor parallelism; compiled runs' memory; float8 linears"),
+              missing="compiled runs' memory; float8 linears"),
     Published("Trainy: Llama-3.1-8B, 32 H200s, compile + float8", TRAINY,
               "| 4 | 10938 | 47.96 |", "reserved", 47.96,
               missing="compiled runs' memory; float8 all-gather"),

@@ -29,12 +29,14 @@ from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-10"
+CACHE_VERSION = f"{__version__}/estimator-11"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
 practitioners' settings; 7: deep models' traces made from shallow ones; 10: tensor
-parallelism, and a trace deepened where a rotary table had the size of a post-forward shard)."""
+parallelism, and a trace deepened where a rotary table had the size of a post-forward shard;
+11: one step simulated, the second made from it, which the figures of the example grids
+showed unchanged)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:

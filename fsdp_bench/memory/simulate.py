@@ -13,6 +13,12 @@ each run: the trace deepened by one period must be the simulated one of that dep
 and stream, sizes that hold every block (a root group's all-gather, DDP's buckets) growing as
 they grew there; runs alike but for their world size share one check (`simulate_alike`).
 Where it does not hold, the whole model's step is simulated under the tracker.
+
+The shallow simulation runs the warm-up step only: the measured step is the warm-up step
+repeated without the optimizer's state (`repeat_step`), which each run that checks itself
+first finds true of its deeper simulation, run for two steps. With a period of one block a
+run that checks itself simulates one step of 3 blocks and two of 4; one whose check is shared,
+one step of 3 blocks.
 """
 
 from __future__ import annotations
