@@ -258,6 +258,22 @@ def test_worker_imports_stay_light() -> None:
     assert heavy == [], f"importing fsdp_bench.job.worker also imports {heavy}"
 
 
+def test_the_driver_does_not_import_torch() -> None:
+    """The driver's modules (the CLI's views, the launchers, the sweep, the estimates' cache
+    and pool) import without torch: `fsdp-bench estimate` of a cached grid answers in a
+    fraction of a second, and its pool's workers start importing torch at once."""
+    code = (
+        "import sys\n"
+        "import fsdp_bench.cli.views, fsdp_bench.launch, fsdp_bench.sweep, fsdp_bench.memory\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_modules_are_short() -> None:
     long = {
         str(path.relative_to(REPO)): lines
