@@ -5,10 +5,10 @@
    and the error of each (target for simulated: <= 5%).
 2. Times the simulated estimate for Llama-3 1B, 8B and 70B shapes (bf16, block activation
    checkpointing, sequence 4096, micro-batch 1) at world sizes 8, 64 and 1,024 (target for 8B
-   at 64 ranks: < 10 s), and once without extrapolation for 8B at 64 ranks.
-3. Extrapolation against full simulation, timed in the same run: four FSDP configurations of
+   at 64 ranks: < 10 s), and once without deepening for 8B at 64 ranks.
+3. Deepening against full simulation, timed in the same run: four FSDP configurations of
    a 24-block small model at 16 ranks (those of tests/test_estimate.py), each estimated with
-   extrapolation and without (the baseline), their wall times, the ratio full / extrapolated
+   deepening and without (the baseline), their wall times, the ratio full / deepened
    (target: > 1) and the difference of the peaks (the test's bound: <= 1%).
 
     python benchmarks/estimate_accuracy.py
@@ -67,11 +67,11 @@ def timing() -> None:
                 f"{name:10s} {world_size:6d} {estimate.peak_bytes / 1024**3:18.2f}"
                 f" {estimate.wall_s:7.1f}  {estimate.method}"
             )
-    full = simulate(_big_run("llama3-8b", 64), extrapolate=False)
+    full = simulate(_big_run("llama3-8b", 64), deepen=False)
     print(f"llama3-8b      64 {full.peak_bytes / 1024**3:18.2f} {full.wall_s:7.1f}  full")
 
 
-EXTRAPOLATED_CONFIGS = {
+DEEPENED_CONFIGS = {
     "default": FsdpConfig(),
     "blocks:2 no-reshard": FsdpConfig(grouping="blocks:2", reshard_after_forward=False),
     "root + block AC": FsdpConfig(grouping="root", activation_checkpointing="block"),
@@ -79,23 +79,23 @@ EXTRAPOLATED_CONFIGS = {
 }
 
 
-def extrapolation_speedup() -> None:
-    print("\nsmall model, 24 blocks, 16 ranks: extrapolated vs full simulation (baseline)")
-    print(f"{'fsdp':20s} {'extrap s':>8s} {'full s':>7s} {'full/extrap':>11s} {'peak diff %':>11s}")
+def deepening_speedup() -> None:
+    print("\nsmall model, 24 blocks, 16 ranks: deepened vs full simulation (baseline)")
+    print(f"{'fsdp':20s} {'deep s':>8s} {'full s':>7s} {'full/deep':>11s} {'peak diff %':>11s}")
     ratios = []
-    for label, fsdp in EXTRAPOLATED_CONFIGS.items():
+    for label, fsdp in DEEPENED_CONFIGS.items():
         run = RunConfig(
             world_size=16,
             model=ModelConfig(name="small", n_layers=24),
             data=DataConfig(micro_batch_size=2, seq_len=256),
             fsdp=fsdp,
         )
-        fast, full = simulate(run), simulate(run, extrapolate=False)
+        fast, full = simulate(run), simulate(run, deepen=False)
         ratios.append(full.wall_s / fast.wall_s)
         diff = 100 * (fast.peak_bytes / full.peak_bytes - 1)
         print(f"{label:20s} {fast.wall_s:8.2f} {full.wall_s:7.2f} {ratios[-1]:10.2f}x {diff:11.3f}")
     print(
-        f"full / extrapolated: min {min(ratios):.2f}x, max {max(ratios):.2f}x (target > 1x; "
+        f"full / deepened: min {min(ratios):.2f}x, max {max(ratios):.2f}x (target > 1x; "
         "both measured in this run)"
     )
 
@@ -119,7 +119,7 @@ def main() -> int:
         accuracy(Path(args.grid))
     if not args.skip_timing:
         timing()
-    extrapolation_speedup()
+    deepening_speedup()
     return 0
 
 

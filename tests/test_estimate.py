@@ -1,4 +1,4 @@
-"""`fsdp-bench estimate`: the simulated estimate against real gloo runs, extrapolation against
+"""`fsdp-bench estimate`: the simulated estimate against real gloo runs, deepening against
 full simulation, estimates at world sizes no machine here has, and pruning by budget."""
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def check_estimates(df: pd.DataFrame) -> None:
 
 def simulated(item: tuple[RunConfig, bool]) -> tuple[str, int]:
     """(method, peak bytes) of one simulation; top level, for the process pool."""
-    run, extrapolate = item
-    estimate = simulate(run, extrapolate=extrapolate)
+    run, deepen = item
+    estimate = simulate(run, deepen=deepen)
     return estimate.method, estimate.peak_bytes
 
 
-def test_extrapolation_matches_full_simulation() -> None:
+def test_deepening_matches_full_simulation() -> None:
     configs = [
         FsdpConfig(),
         FsdpConfig(grouping="blocks:2", reshard_after_forward=False),
@@ -93,7 +93,7 @@ def test_extrapolation_matches_full_simulation() -> None:
     runs = [
         RunConfig(
             world_size=16,
-            model=ModelConfig(name="small", n_layers=18),  # blocks:2 extrapolates from 18 on
+            model=ModelConfig(name="small", n_layers=18),  # blocks:2 deepens from 18 on
             data=DataConfig(micro_batch_size=2, seq_len=256),
             fsdp=fsdp,
         )
@@ -104,9 +104,9 @@ def test_extrapolation_matches_full_simulation() -> None:
     found = dict(in_subprocesses(simulated, items, user_code=False))
     for index, fsdp in enumerate(configs):
         (full_method, full_peak), (fast_method, fast_peak) = found[index], found[index + 4]
-        assert fast_method.startswith(("deepened", "extrapolated")) and full_method == "full"
+        assert fast_method.startswith("deepened") and full_method == "full"
         assert fast_peak == pytest.approx(full_peak, rel=0.01), fsdp
-    # How much faster extrapolating is: benchmarks/estimate_accuracy.py (not a test assert).
+    # How much faster deepening is: benchmarks/estimate_accuracy.py (not a test assert).
 
 
 def test_estimates_at_world_sizes_beyond_this_machine() -> None:

@@ -48,7 +48,8 @@ class SimulatedEstimate:
     peak_bytes: int
     breakdown_bytes: dict[str, int]
     method: str
-    """`full`, `deepened from N blocks (checked at M)` or `extrapolated from N and M blocks`."""
+    """`full`, or `deepened from N blocks (checked at M)` (`M, K ranks`: the check of a run
+    alike but for its world size, K ranks, stands for this one)."""
     wall_s: float
     host_bytes: int = 0
     """With CPU offload: what stays in host memory (shards, gradients, optimizer state),
@@ -60,13 +61,11 @@ class SimulatedEstimate:
     max_memory_reserved (segments) will say."""
 
 
-def simulate(
-    run: RunConfig, *, device_type: str = "cpu", extrapolate: bool = True
-) -> SimulatedEstimate:
+def simulate(run: RunConfig, *, device_type: str = "cpu", deepen: bool = True) -> SimulatedEstimate:
     """Peak tracked memory of rank 0 of `run` on `device_type` (cuda or cpu), without
     running it: the tensors are the CPU's, fake, but the model is built as for that device.
-    `extrapolate=False`: the whole model under the tracker, the reference the others meet."""
-    if extrapolate:
+    `deepen=False`: the whole model under the tracker, the reference the others meet."""
+    if deepen:
         return simulate_alike([run], device_type=device_type)[0]
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     return _whole(run, device_type, time.perf_counter())
