@@ -65,7 +65,7 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
 @dataclass
 class RecordedStep:
     """A simulation's block-tagged allocations (`alloc_trace`) through set-up, a warm-up step
-    and the step measured (from the mark "step"), untracked: what `deepen` works on."""
+    and the step measured (from the mark `STEP`), untracked: what `deepen` works on."""
 
     trace: AllocationTrace
     offloaded: tuple[int, int] = (0, 0)

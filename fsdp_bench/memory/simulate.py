@@ -40,7 +40,7 @@ from fsdp_bench.memory.deepen import (
     structure,
 )
 from fsdp_bench.memory.fake_step import RecordedStep, record_step, simulate_step
-from fsdp_bench.memory.repeat_step import repeat_step, repeats
+from fsdp_bench.memory.repeat_step import STEP, repeat_step, repeats
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def _deepened(
         checked = own.for_alike(run.world_size) if alike else None
     periods = (plan.target - plan.blocks) // plan.period
     deep = grown(shallow.deepened(plan.target), growth, periods)
-    peak, breakdown = deep.live_peak("step", with_inputs=run.strategy == "ddp")
+    peak, breakdown = deep.live_peak(STEP, with_inputs=run.strategy == "ddp")
     cuda = device_type == "cuda"
     allocator = deep.allocator_peaks(expandable=run.train.expandable_segments) if cuda else (0, 0)
     method = f"deepened from {plan.blocks} blocks (checked at {at})"
