@@ -5,6 +5,7 @@ Layout of a results folder (`results/<grid name>/` by default):
     runs/<run_id>.json        one finished run (any status), written by temp file + rename
     inflight/<run_id>/        a run in progress: who started it, per-rank failure notes
     jobs/                     launcher state and submitit's job folders (logs)
+    skip/<run_id>.json        a run its job should not start, and its record (`take_skip`)
     grid.yaml                 the grid as it was given, for provenance
 
 One file per run means no two writers ever touch the same file, on one machine or over a
@@ -102,11 +103,20 @@ class RunResult:
     """The simulated estimate made before the run (tensors only, like tracked_peak_gib)."""
     analytic_peak_gib: float | None = None
     estimated_allocated_gib: float | None = None
+    estimated_allocated_low_gib: float | None = None
+    estimated_allocated_high_gib: float | None = None
     estimated_reserved_gib: float | None = None
+    estimated_reserved_low_gib: float | None = None
+    estimated_reserved_high_gib: float | None = None
     estimated_device_used_gib: float | None = None
-    """On CUDA, made before the run (`memory.device_memory`): beside peak_memory_gib
-    (max_memory_allocated), peak_reserved_gib and device_used_peak_gib. On CPU device-used
-    is the tensors (plus memory.overhead_gib), the others empty."""
+    estimated_device_used_low_gib: float | None = None
+    estimated_device_used_high_gib: float | None = None
+    """On CUDA, made before the run as the models make them, never corrected, with their
+    intervals (`memory.error_model`); on CPU device-used is the tensors (+ overhead_gib)."""
+    estimate_fits: str | None = None
+    """yes, no or maybe when the run was decided (`memory.prediction.fits`), with the
+    folder's correction then (`memory.calibration.Correction`)."""
+    estimate_correction: dict[str, Any] | None = None
     allocated_at_start_gib: float | None = None
     """CUDA memory allocated when the run began (largest rank): above zero, something of an
     earlier run of the job was still alive, and the run's peak includes it."""
@@ -228,16 +238,22 @@ class RunResult:
 
 
 class EstimatedPeaks(NamedTuple):
-    """A run's peak memory per rank as estimated before launch (GiB), copied into its record."""
+    """A run's estimate before launch, copied into its record (the RunResult fields of the
+    same names)."""
 
     estimated_peak_gib: float | None = None
-    """The simulated tensors."""
     analytic_peak_gib: float | None = None
     estimated_allocated_gib: float | None = None
+    estimated_allocated_low_gib: float | None = None
+    estimated_allocated_high_gib: float | None = None
     estimated_reserved_gib: float | None = None
+    estimated_reserved_low_gib: float | None = None
+    estimated_reserved_high_gib: float | None = None
     estimated_device_used_gib: float | None = None
-    """On CUDA (`memory.device_memory`): what the caching allocator books, what it reserves,
-    and what the card holds; device-used is what pruning compares with the budget."""
+    estimated_device_used_low_gib: float | None = None
+    estimated_device_used_high_gib: float | None = None
+    estimate_fits: str | None = None
+    estimate_correction: dict[str, Any] | None = None
 
 
 class Flops(NamedTuple):
@@ -277,13 +293,13 @@ class ResultStore:
         self.jobs_dir = self.root / "jobs"
 
     def save_grid(self, source: str) -> None:
-        """The grid file as given, beside its results: provenance, and the budget `report`
-        applies."""
+        """The grid file as given, beside its results (provenance, the budget of `report`)."""
         if Path(source).is_file():
             write_atomic(self.root / "grid.yaml", Path(source).read_text())
 
     def record(self, result: RunResult) -> None:
         write_atomic(self.runs_dir / f"{result.run_id}.json", result.to_json())
+        (self.root / "skip" / f"{result.run_id}.json").unlink(missing_ok=True)
 
     def has(self, run_id: str) -> bool:
         return (self.runs_dir / f"{run_id}.json").exists()
@@ -293,18 +309,28 @@ class ResultStore:
         return RunResult.from_json(path.read_text()) if path.exists() else None
 
     def done_ids(self) -> set[str]:
-        if not self.runs_dir.exists():
-            return set()
         return {p.stem for p in self.runs_dir.glob("*.json")}
 
     def results(self) -> list[RunResult]:
-        if not self.runs_dir.exists():
-            return []
         paths = sorted(self.runs_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         return [RunResult.from_json(p.read_text()) for p in paths]
 
     def inflight(self, run_id: str) -> Path:
         return self.inflight_dir / run_id
+
+    def request_skip(self, result: RunResult) -> None:
+        """Ask the job holding a run not to start it: `result` becomes its record (`take_skip`)."""
+        write_atomic(self.root / "skip" / f"{result.run_id}.json", result.to_json())
+
+    def take_skip(self, run_id: str) -> bool:
+        """Whether a skip was asked for a run not recorded yet; it is then recorded as asked.
+        Only the worker about to start the run calls this, so nothing else can race it."""
+        request = self.root / "skip" / f"{run_id}.json"
+        if not request.exists() or self.has(run_id):
+            return False
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(request, self.runs_dir / f"{run_id}.json")
+        return True
 
 
 # DataFrame columns for the RunConfig: leaf names, except where a leaf name is ambiguous.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,9 +20,10 @@ from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
-from fsdp_bench.memory.device_memory import Calibration, calibration, predicted_oom
+from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
+from fsdp_bench.memory.prediction import predicted_oom
 from fsdp_bench.store import ResultStore, RunResult
 
 
@@ -87,18 +89,11 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     estimates = _estimate(todo, store, target_device(spec.launcher), options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
-    known = calibration(spec.memory, store)
     bar = progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
-    driver = Driver(
-        store,
-        ledger,
-        spec,
-        options.verify,
-        on_record=_updater(bar),
-        estimates={k: e.peaks(known) for k, e in estimates.items()},
-    )
-    if options.prune:
-        todo = _prune(todo, estimates, spec, known, driver)
+    driver = Driver(store, ledger, spec, options.verify)
+    pruner = Pruner(spec, store, driver, estimates, todo, prune=options.prune)
+    driver.on_record = _updater(bar, pruner.on_record)
+    todo = pruner.decide()
     try:
         driver.run(launcher, watched, pack_runs(todo, spec.launcher))
     finally:
@@ -126,25 +121,55 @@ def _estimate(
             bar.close()
 
 
-def _prune(
-    runs: list[RunConfig],
-    estimates: dict[str, RunEstimate],
-    spec: SweepSpec,
-    known: Calibration,
-    driver: Driver,
-) -> list[RunConfig]:
-    """Record the runs predicted not to fit the memory budget (device-used memory) as
-    skipped; return the others."""
-    if spec.memory.budget_gib is None:
-        return runs
-    keep = []
-    for run in runs:
-        reason = predicted_oom(estimates[run.run_id].predict(known), spec.memory)
-        if reason:
-            driver.record_unlaunched(run, "skipped", reason, {})
-        else:
-            keep.append(run)
-    return keep
+class Pruner:
+    """Which runs not launched yet fit the memory budget, decided before launching and again
+    each time a run is measured: the folder's correction learns from every measured run
+    (`calibration`), and a run whose interval it moves wholly over the budget is taken back
+    from the driver (`Driver.withdraw`) and recorded skipped. The records of the runs still
+    to launch carry the estimate as last decided."""
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        store: ResultStore,
+        driver: Driver,
+        estimates: dict[str, RunEstimate],
+        runs: list[RunConfig],
+        *,
+        prune: bool,
+    ) -> None:
+        self.spec, self.store, self.driver, self.estimates = spec, store, driver, estimates
+        self.pending = {run.run_id: run for run in runs}
+        self.prune = prune and spec.memory.budget_gib is not None
+        self.known = calibration(spec.memory, store)
+
+    def decide(self) -> list[RunConfig]:
+        """Record the runs that do not fit as skipped; return the others, to launch."""
+        for run, reason in self._decided():
+            self.driver.record_unlaunched(run, "skipped", reason, {})
+        return list(self.pending.values())
+
+    def on_record(self, result: RunResult) -> None:
+        self.pending.pop(result.run_id, None)
+        learned = self.known.learn(result)
+        if learned == self.known or not self.pending:
+            return
+        self.known = learned
+        for run, reason in self._decided():
+            self.driver.withdraw(run, "skipped", reason)
+
+    def _decided(self) -> list[tuple[RunConfig, str]]:
+        """The pending runs that do not fit now, taken out of `pending`, with why."""
+        known, memory = self.known, self.spec.memory
+        out = []
+        for run_id, run in list(self.pending.items()):
+            estimate = self.estimates[run_id]
+            self.driver.estimates[run_id] = estimate.peaks(known, run, memory)
+            reason = predicted_oom(estimate.predict(known, run), memory) if self.prune else ""
+            if reason:
+                del self.pending[run_id]
+                out.append((run, reason))
+        return out
 
 
 def _reattach(ledger: Ledger, launcher: Launcher, by_id: dict[str, RunConfig]) -> list[Watched]:
@@ -207,10 +232,11 @@ def progress_bar(name: str, total: int) -> Any:
     return tqdm(total=total, unit="run", desc=name, dynamic_ncols=True)
 
 
-def _updater(bar: Any) -> Any:
+def _updater(bar: Any, then: Callable[[RunResult], None]) -> Callable[[RunResult], None]:
     statuses: Counter[str] = Counter()
 
     def update(result: RunResult) -> None:
+        then(result)
         if bar is None:
             return
         statuses[result.status] += 1

@@ -343,6 +343,33 @@ def test_a_config_saying_bfloat16_trains_as_the_grid_says(
     assert estimate.breakdown_gib["optimizer_state"] * GIB >= 8 * num_params
 
 
+def test_bf16_storage_of_a_transformers_model_is_checked_estimated_and_run(
+    configs: dict[str, str], tmp_path: Path
+) -> None:
+    """`model.dtype: bf16` with `fsdp.mixed_precision: bf16` (pure bf16, as lightning-thunder's
+    FSDP2 runs): the model check before launch built its run with the default mixed
+    precision and refused it ("bf16 storage computes in bf16"). Now it estimates (bf16
+    parameters: 2 bytes each, AdamW's two states 4) and runs."""
+    grid = {
+        "name": "hf-bf16",
+        "base": {
+            "model": {"name": configs["llama"], "dtype": "bf16"},
+            "fsdp": {"mixed_precision": "bf16"},
+            "data": {"seq_len": 32},
+            "measure": dict(QUICK_MEASURE),
+        },
+        "axes": {"world_size": [1]},
+    }
+    _, df = sweep(tmp_path, grid)
+    assert list(df.status) == ["ok"], df.reason.tolist()
+    run = RunConfig(model=ModelConfig(name=configs["llama"], dtype="bf16"),
+                    fsdp=FsdpConfig(mixed_precision="bf16"), data=DataConfig(seq_len=32))  # fmt: skip
+    [(_, estimate)] = in_subprocesses(estimate_run, [run], user_code=True)
+    num_params = int(df.num_params.iloc[0])
+    assert estimate.breakdown_gib["optimizer_state"] * GIB == pytest.approx(4 * num_params, rel=0.02)
+    assert df.estimated_peak_gib.iloc[0] == pytest.approx(df.tracked_peak_gib.iloc[0], rel=0.05)
+
+
 @pytest.mark.slow
 def test_the_shipped_configs_estimate_as_the_presets_of_their_shapes() -> None:
     """Each config in sweeps/models against the preset of the same shape (8 ranks, bf16,

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
 
-from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.config.run import (
@@ -17,16 +13,7 @@ from fsdp_bench.config.run import (
     TrainConfig,
     non_default_fields,
 )
-from fsdp_bench.config.schema import to_plain
 from fsdp_bench.memory.analytic import GB, analytic_estimate, peak_lower_bound, steady_state_bytes
-from fsdp_bench.memory.device_memory import (
-    calibration,
-    communicators,
-    outside_terms_gib,
-    predicted_oom,
-)
-from fsdp_bench.memory.estimate import RunEstimate
-from fsdp_bench.store import ResultStore, RunResult
 
 
 def test_seed_000_sharded_steady_state_and_lower_bound() -> None:
@@ -99,64 +86,6 @@ def test_knobs_move_the_terms_they_should() -> None:
     assert with_(optimizer="sgd")["optimizer_state"] == 0
 
 
-def test_the_terms_outside_tensors_are_calibrated_per_device_and_world_size(
-    tmp_path: Path,
-) -> None:
-    """Measured CUDA runs replace the default model: the allocator's reserve by the median of
-    measured over estimated reserved (the largest over devices), memory outside the
-    allocator by p90 of device-used minus reserved per device and world size."""
-    store = ResultStore(tmp_path)
-    cases = [("H100", 8, used, 5.0) for used in (10.0, 11.0, 12.0, 13.0, 20.0)]
-    cases += [("A100", 8, 15.0, 5.5), ("H100", 64, 30.0, 5.0)]
-    for index, (device, world_size, used, reserved) in enumerate(cases):
-        run = RunConfig(world_size=world_size, data=DataConfig(seed=index))
-        store.record(
-            RunResult(
-                run_id=run.run_id, status="ok", config=to_plain(run), estimated_peak_gib=4.0,
-                estimated_reserved_gib=5.0, peak_reserved_gib=reserved,
-                device_used_peak_gib=used, provenance={"device_name": f"NVIDIA {device}"},
-            )
-        )  # fmt: skip
-    known = calibration(MemoryConfig(), store)
-    assert known.reserve_factor()[0] == pytest.approx(1.1)  # A100's one run: 5.5 / 5
-    assert "calibrated on 7 CUDA runs" in known.reserve_factor()[1]
-    # world size 8: p90 of H100's gaps (5, 6, 7, 8, 15) is 12.2; A100's one gap is 9.5
-    gib, source = known.outside(8, default_gib=1.0)
-    assert gib == pytest.approx(12.2) and "NVIDIA A100, NVIDIA H100; world size 8" in source
-    assert known.outside(64, 1.0)[0] == pytest.approx(25.0)
-    assert "all world sizes" in known.outside(16, 1.0)[1]  # never measured at 16
-    assert calibration(MemoryConfig(overhead_gib=6.0), store).outside(8, 1.0) == (
-        6.0, "configured (memory.overhead_gib)")  # fmt: skip
-    empty = calibration(MemoryConfig(), ResultStore(tmp_path / "empty"))
-    assert empty.outside(8, 1.0) == (1.0, "default model")
-    assert empty.reserve_factor() == (1.0, "allocator model")
-
-
-def test_a_run_whose_tensors_fit_but_whose_device_memory_does_not_is_pruned_naming_the_terms() -> (
-    None
-):
-    """Tensors 70 GiB under a 79.5 GiB budget; the allocator's reserve and what lives outside
-    it (the CUDA context, two HSDP communicators and the default one) do not fit."""
-    run = RunConfig(world_size=16, strategy="hsdp", fsdp=FsdpConfig(shard_group_size=8))
-    assert communicators(run) == [16, 8, 2]
-    estimate = RunEstimate(
-        run_id=run.run_id, estimated_peak_gib=70.0, device_type="cuda",
-        estimated_allocated_gib=70.1, estimated_reserved_gib=78.0, world_size=16,
-        outside_terms_gib=outside_terms_gib(run, "cuda"),
-    )  # fmt: skip
-    budget = MemoryConfig(budget_gib=79.5)
-    prediction = estimate.predict(calibration(budget, None))
-    assert prediction.device_used_gib == pytest.approx(78.0 + 0.75 + 3 * 0.55)
-    reason = predicted_oom(prediction, budget)
-    assert reason.startswith("predicted_oom: device-used 80.40 GiB (tensors 70.00 + allocator "
-                             "8.00 + cuda_context 0.75 + nccl 1.65; reserved: allocator model; "
-                             "outside: default model)")  # fmt: skip
-    assert predicted_oom(prediction, MemoryConfig(budget_gib=81.0)) == ""
-    cpu = dataclasses.replace(estimate, device_type="cpu", estimated_allocated_gib=None,
-                              estimated_reserved_gib=None, outside_terms_gib={})  # fmt: skip
-    assert predicted_oom(cpu.predict(calibration(budget, None)), budget) == ""  # tensors fit
-
-
 def test_cpu_offload_moves_the_sharded_state_to_the_host() -> None:
     def estimate(offload: bool) -> tuple[float, float]:
         run = RunConfig(
@@ -183,38 +112,6 @@ def test_the_simulated_offload_estimate_is_the_devices_share() -> None:
     assert offloaded.host_bytes == pytest.approx(4 * shards, rel=0.01)
     assert "optimizer_state" not in offloaded.breakdown_bytes
     assert offloaded.peak_bytes < resident.peak_bytes - resident.breakdown_bytes["optimizer_state"]
-
-
-def test_a_compiled_run_is_not_pruned_on_the_eager_estimate_until_compiled_runs_are_measured(
-    tmp_path: Path,
-) -> None:
-    """The eager estimate is an upper bound for a compiled run: no pruning on it unless
-    memory.prune_compiled; measured compiled runs correct it (their own ratio) and then it
-    prunes."""
-    run = RunConfig(world_size=8, train=TrainConfig(compile="block"))
-    estimate = RunEstimate(
-        run_id=run.run_id, estimated_peak_gib=70.0, device_type="cuda", compiled=True,
-        estimated_allocated_gib=70.1, estimated_reserved_gib=90.0, world_size=8,
-        outside_terms_gib=outside_terms_gib(run, "cuda"),
-    )  # fmt: skip
-    budget = MemoryConfig(budget_gib=80.0)
-    fresh = estimate.predict(calibration(budget, None))
-    assert fresh.upper_bound and fresh.device_used_gib == pytest.approx(91.3)
-    assert predicted_oom(fresh, budget) == ""
-    assert predicted_oom(fresh, MemoryConfig(budget_gib=80.0, prune_compiled=True)) != ""
-    store = ResultStore(tmp_path)
-    measured = RunConfig(world_size=8, train=TrainConfig(compile="block"), data=DataConfig(seed=1))
-    store.record(
-        RunResult(
-            run_id=measured.run_id, status="ok", config=to_plain(measured),
-            estimated_reserved_gib=90.0, peak_reserved_gib=72.0, device_used_peak_gib=73.0,
-            provenance={"device_name": "NVIDIA H100"},
-        )
-    )  # fmt: skip
-    corrected = estimate.predict(calibration(budget, store))
-    assert not corrected.upper_bound and corrected.reserved_gib == pytest.approx(72.0)
-    assert "calibrated on 1 compiled CUDA runs" in corrected.sources["reserved"]
-    assert predicted_oom(corrected, MemoryConfig(budget_gib=72.5)) != ""
 
 
 ANALYTIC_CASES = [

@@ -15,9 +15,10 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import ConfigError, yaml_scalar
 from fsdp_bench.launch.driver import pack_runs
-from fsdp_bench.memory.device_memory import calibration, predicted_oom
+from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
+from fsdp_bench.memory.prediction import Fits, Prediction, fits, predicted_oom
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
 
@@ -67,38 +68,26 @@ def describe_status(spec: SweepSpec, results: Path | None) -> str:
 
 def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> str:
     """Every run's predicted memory per rank: the tensors (analytic, simulated) and, for CUDA,
-    allocated, reserved and device-used; fits the budget (on device-used) or not."""
+    allocated, reserved and device-used, each with its interval; whether it fits the budget
+    (yes / no / maybe, on device-used's interval)."""
     runs = expand(spec).runs
     check_models(runs)
     store = ResultStore(results_dir_for(spec, results))
     device_type = target_device(spec.launcher)
     estimates = estimate_runs(runs, store.root / "estimates", device_type=device_type)
     known = calibration(spec.memory, store)
-    predictions = {run.run_id: estimates[run.run_id].predict(known) for run in runs}
-    verdicts = {k: predicted_oom(p, spec.memory) for k, p in predictions.items()}
+    predictions = {run.run_id: estimates[run.run_id].predict(known, run) for run in runs}
+    verdicts = {k: fits(p, spec.memory) for k, p in predictions.items()}
     if as_json:
-        return json.dumps(
-            [
-                {
-                    **asdict(estimates[run.run_id]),
-                    **predictions[run.run_id].peaks,
-                    "terms_gib": predictions[run.run_id].terms_gib,
-                    "sources": predictions[run.run_id].sources,
-                    "predicted_oom": verdicts[run.run_id],
-                }
-                for run in runs
-            ],
-            indent=1,
-        )
+        shown = [
+            _estimate_json(estimates[r.run_id], predictions[r.run_id], verdicts[r.run_id], spec)
+            for r in runs
+        ]
+        return json.dumps(shown, indent=1)
     keys = axis_keys(spec)
     rows = []
     for run in runs:
         e, p = estimates[run.run_id], predictions[run.run_id]
-        fits = (
-            "?"
-            if spec.memory.budget_gib is None or p.device_used_gib is None
-            else ("no" if verdicts[run.run_id] else "yes")
-        )
         top = sorted(e.breakdown_gib.items(), key=lambda kv: -kv[1])[:3]
         rows.append(
             [
@@ -106,27 +95,78 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
                 *(yaml_scalar(get_path(run, k)) for k in keys),
                 _gib(e.analytic_peak_gib),
                 _gib(e.estimated_peak_gib),
-                _gib(p.allocated_gib),
-                _gib(p.reserved_gib),
-                _gib(p.device_used_gib),
-                fits,
+                *(_ranged(p, name) for name in ("allocated", "reserved", "device_used")),
+                verdicts[run.run_id],
                 ", ".join(f"{k} {v:.2f}" for k, v in top) or e.error[:60],
             ]
         )
     header = ["run_id", *(k.split(".")[-1] for k in keys), "analytic", "tensors", "allocated",
               "reserved", "device-used", "fits", "largest tensors (GiB)"]  # fmt: skip
-    return text_table(header, rows) + "\n" + _estimate_footer(spec, device_type, predictions)
+    return (
+        text_table(header, rows)
+        + "\n"
+        + _fit_counts(verdicts, spec)
+        + _estimate_footer(spec, device_type, runs, predictions)
+    )
 
 
-def _estimate_footer(spec: SweepSpec, device_type: str, predictions: dict[str, Any]) -> str:
-    """Units, what each figure is for this device, where the terms came from, the budget."""
+def _estimate_json(
+    estimate: Any, prediction: Prediction, verdict: str, spec: SweepSpec
+) -> dict[str, Any]:
+    return {
+        **asdict(estimate),
+        **prediction.figures,
+        "fits": verdict,
+        "half_width_pct": {
+            name: round(interval.half_width_pct(figure), 2)
+            for name in ("allocated", "reserved", "device_used")
+            if prediction.errors is not None
+            and (figure := getattr(prediction, f"{name}_gib")) is not None
+            and (interval := getattr(prediction.errors, name)) is not None
+        },
+        "terms_gib": prediction.terms_gib,
+        "error_terms": [asdict(t) for t in prediction.error_terms],
+        "unseen": prediction.unseen,
+        "sources": prediction.sources,
+        "correction": asdict(prediction.correction),
+        "predicted_oom": predicted_oom(prediction, spec.memory),
+    }
+
+
+def _ranged(prediction: Prediction, name: str) -> str:
+    """The figure and its interval: 71.2 (66.9-76.8)."""
+    figure = getattr(prediction, f"{name}_gib")
+    interval = getattr(prediction.errors, name) if prediction.errors else None
+    if figure is None or interval is None:
+        return _gib(figure)
+    return f"{figure:.2f} ({interval.low_gib:.2f}-{interval.high_gib:.2f})"
+
+
+def _fit_counts(verdicts: dict[str, Fits], spec: SweepSpec) -> str:
+    if spec.memory.budget_gib is None:
+        return ""
+    counts = Counter(verdicts.values())
+    return (
+        f"{counts['yes']} of {len(verdicts)} runs fit, {counts['maybe']} may fit (launched and "
+        f"measured), {counts['no']} do not (skipped)\n"
+    )
+
+
+def _estimate_footer(
+    spec: SweepSpec, device_type: str, runs: list[RunConfig], predictions: dict[str, Prediction]
+) -> str:
+    """Units, what each figure is for this device, where the terms came from, what the
+    intervals do not cover, the budget."""
     budget = spec.memory
     if device_type == "cuda":
         sources = sorted({f"{k}: {v}" for p in predictions.values() for k, v in p.sources.items()})
+        unseen = sorted({u for p in predictions.values() for u in p.unseen})
         said = (
-            "GiB per rank, for CUDA. tensors: simulated; allocated / reserved: the caching "
-            "allocator's peaks (max_memory_allocated / max_memory_reserved); device-used: "
-            f"reserved + CUDA context + NCCL buffers ({'; '.join(sources)}). "
+            "GiB per rank, for CUDA, each figure with its interval (memory/error_model.py). "
+            "tensors: simulated; allocated / reserved: the caching allocator's peaks "
+            "(max_memory_allocated / max_memory_reserved); device-used: reserved + CUDA "
+            f"context + NCCL buffers ({'; '.join(sources)}). Not seen by the estimate: "
+            f"{'; '.join(unseen)}. "
         )
     else:
         sources = sorted({p.sources.get("outside", "") for p in predictions.values()} - {""})
@@ -135,7 +175,8 @@ def _estimate_footer(spec: SweepSpec, device_type: str, predictions: dict[str, A
             f"{' + ' + '; '.join(sources) if sources else ''}). "
         )
     return said + (
-        f"Budget {budget.budget_gib:g} GiB on device-used, margin {budget.margin_gib:g} GiB"
+        f"Budget {budget.budget_gib:g} GiB on device-used, margin {budget.margin_gib:g} GiB: "
+        "fits yes when the interval's high end is within it, no when its low end is over"
         if budget.budget_gib is not None
         else "No budget (memory.budget_gib)"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fsdp_bench.config.gpus import GpuName
 from fsdp_bench.config.schema import at_least, bad_value
 
 SamplerName = Literal["tpe", "random", "grid", "gp"]
@@ -14,23 +15,23 @@ SamplerName = Literal["tpe", "random", "grid", "gp"]
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    """A per-rank memory budget: runs predicted not to fit are recorded, not launched."""
+    """A per-rank memory budget: runs predicted not to fit (the low end of their interval
+    over it) are recorded, not launched."""
 
     budget_gib: float | None = None
     """Memory one rank may use (a GPU's capacity, say 80); None: no pruning."""
     margin_gib: float = 0.0
-    """Kept free below the budget, for what estimates cannot see."""
+    """Kept free below the budget, beyond what the estimate's interval covers."""
     overhead_gib: float | None = None
     """Device memory outside the caching allocator per rank (CUDA context, NCCL buffers),
     added to the estimated reserved memory to give device-used; None: calibrated from the
     measured CUDA runs in the results folder, else the default model (`memory.device_memory`).
     On CPU, added to the tensors."""
-    prune_compiled: bool = False
-    """Prune compiled runs (train.compile) on the eager estimate. It is an upper bound
-    (inductor fuses and frees intermediates: a published compiled run reserved ~90 GiB where
-    the eager figure was ~115), so by default compiled runs are launched and measured, and
-    once the folder has measured compiled CUDA runs their ratio corrects the estimate and
-    compiled runs are pruned on it."""
+    gpu: GpuName | None = None
+    """The GPU the runs will get (A100, H100, H100-NVL, H200, GH200, B200, L40S): the CUDA
+    context, cuBLAS's workspace and NVLS buffers differ by kind (`config.gpus`). None:
+    unknown, and their intervals cover every kind; measured runs of the folder on other GPUs
+    do not correct its estimates once it is set."""
 
     def __post_init__(self) -> None:
         for key in ("budget_gib", "overhead_gib"):

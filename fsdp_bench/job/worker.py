@@ -113,8 +113,11 @@ def run_job(job: JobSpec, info: RankInfo | None = None) -> list[str]:
     passes: dict[str, list[MeasuredPass]] = {run.run_id: [] for run in todo}
     recorded = []
     for index in range(max((run.measure.rounds for run in todo), default=0)):
-        for run in todo:
+        for run in list(todo):
             if index >= run.measure.rounds:
+                continue
+            if index == 0 and _skip_asked(run, context):  # the driver's estimate changed
+                todo.remove(run)
                 continue
             done = passes[run.run_id]
             done.append(_measure_pass(run, context, index))
@@ -363,6 +366,15 @@ def _outcome(
         timeline=asdict(profile.timeline) if profile.timeline else None,
         **extra,
     )
+
+
+def _skip_asked(run: RunConfig, context: JobContext) -> bool:
+    """Whether the driver asked, since the job started, not to launch this run (it no longer
+    fits once runs measured before it corrected the estimate): rank 0 records it as asked
+    (`ResultStore.take_skip`) and tells the others."""
+    decision = [context.store.take_skip(run.run_id) if context.info.rank == 0 else None]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
 
 
 def _already_recorded(run: RunConfig, context: JobContext) -> bool:

@@ -84,6 +84,8 @@ class Driver:
         self.attempts: Counter[str] = Counter()
         self.interruptions: Counter[str] = Counter()
         self.seen: set[str] = set()
+        self.packs: list[list[RunConfig]] = []
+        """Packs not submitted yet (while `run` follows its jobs)."""
 
     def run(
         self,
@@ -138,6 +140,7 @@ class Driver:
         supply: Callable[[int], list[list[RunConfig]] | None] | None,
     ) -> None:
         poll_s = self.spec.launcher.poll_s
+        self.packs = packs  # the same lists, changed in place: what `withdraw` looks at
         exhausted = supply is None
         while watched or packs or not exhausted:
             free = launcher.max_jobs_in_flight - len(watched) - len(packs)
@@ -289,6 +292,25 @@ class Driver:
         self.record_unlaunched(
             run, verdict.status, verdict.reason, {"job_id": job.job_id, "job_state": state}
         )
+
+    def withdraw(self, run: RunConfig, status: str, reason: str) -> bool:
+        """Take back a run decided against after it was packed (its estimate, corrected by
+        runs measured since, no longer fits): dropped from its pack before the pack is
+        submitted, or skipped by its job's worker if the run has not started (the record is
+        written then, `ResultStore.request_skip`). False: it has started, or is recorded."""
+        if self.store.has(run.run_id):
+            return False
+        for pack in self.packs:
+            if run in pack:
+                pack.remove(run)
+                self.packs[:] = [p for p in self.packs if p]
+                self.record_unlaunched(run, status, reason, {})
+                return True
+        if (self.store.inflight(run.run_id) / "started.json").exists():
+            return False
+        peaks = self.estimates.get(run.run_id)
+        self.store.request_skip(unmeasured_record(run, status, reason, {}, peaks))
+        return True
 
     def record_unlaunched(
         self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]

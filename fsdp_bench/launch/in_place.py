@@ -30,7 +30,7 @@ from fsdp_bench.job.rendezvous import RankInfo, pick_device, rank_info
 from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.job.worker import init_job_group, run_job
 from fsdp_bench.launch.verdicts import classify_failure, read_notes, unmeasured_record
-from fsdp_bench.memory.device_memory import calibration
+from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import cached_estimates, target_device
 from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, now_iso
@@ -163,7 +163,8 @@ def _cached_estimates(
               f"GRID --results {store.root}' before launching (on a machine without GPUs, "
               "with launcher.device: cuda in the grid)", flush=True)  # fmt: skip
     known = calibration(memory, store)
-    return {run_id: estimate.peaks(known) for run_id, estimate in found.items()}
+    by_id = {run.run_id: run for run in runs}
+    return {run_id: e.peaks(known, by_id[run_id], memory) for run_id, e in found.items()}
 
 
 def _reconcile(

@@ -15,28 +15,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_bench._version import __version__
+from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig, alike_key
 from fsdp_bench.memory.analytic import analytic_estimate
-from fsdp_bench.memory.device_memory import (
-    Calibration,
-    Prediction,
-    outside_terms_gib,
-    peaks,
-    predict,
-)
+from fsdp_bench.memory.calibration import Calibration
+from fsdp_bench.memory.device_memory import outside_terms_gib
 from fsdp_bench.memory.model_check import source_digests
 from fsdp_bench.memory.pool import in_subprocesses
+from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-11"
+CACHE_VERSION = f"{__version__}/estimator-12"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
 practitioners' settings; 7: deep models' traces made from shallow ones; 10: tensor
 parallelism, and a trace deepened where a rotary table had the size of a post-forward shard;
 11: one step simulated, the second made from it, which the figures of the example grids
-showed unchanged)."""
+showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -81,24 +78,35 @@ class RunEstimate:
     """On CUDA: the default model of memory outside the allocator (`device_memory`)."""
     world_size: int = 1
     compiled: bool = False
-    """train.compile is set: the estimate follows eager execution (`device_memory`)."""
+    """train.compile is set: the estimate follows eager execution (`error_model.COMPILED`)."""
+    torch_version: str = ""
+    """The torch the step was simulated with: what the real run is taken to use."""
     version: str = CACHE_VERSION
 
-    def predict(self, known: Calibration) -> Prediction:
-        """The three figures with the folder's calibration (`device_memory`)."""
+    @property
+    def records_streams(self) -> bool:
+        """Before torch 2.8 ProcessGroupNCCL recorded collectives' streams (`error_model`)."""
+        major, _, rest = self.torch_version.partition(".")
+        minor = rest.split(".")[0]
+        return bool(major.isdigit() and minor.isdigit() and (int(major), int(minor)) < (2, 8))
+
+    def predict(self, known: Calibration, run: RunConfig) -> Prediction:
+        """The three figures with the folder's correction, and their intervals."""
         return predict(
+            run,
             self.estimated_peak_gib,
             self.estimated_allocated_gib,
             self.estimated_reserved_gib,
             self.outside_terms_gib,
-            self.world_size,
             known,
-            self.compiled,
+            records_streams=self.records_streams,
         )
 
-    def peaks(self, known: Calibration) -> EstimatedPeaks:
-        """What the run's record keeps of its estimate."""
-        return peaks(self.predict(known), self.estimated_peak_gib, self.analytic_peak_gib)
+    def peaks(self, known: Calibration, run: RunConfig, memory: MemoryConfig) -> EstimatedPeaks:
+        """What the run's record keeps of its estimate (`prediction.record_peaks`)."""
+        raw = self.predict(known.uncorrected, run)
+        decided = self.predict(known, run)
+        return record_peaks(raw, decided, memory, self.estimated_peak_gib, self.analytic_peak_gib)
 
 
 def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
@@ -109,6 +117,8 @@ def estimate_run(run: RunConfig, device_type: str = "cpu") -> RunEstimate:
 def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunEstimate]:
     """`estimate_run` of runs alike but for their world size (`alike_key`), which share a
     simulation's check (`simulate_alike`); one that fails is estimated apart, to say which."""
+    import torch
+
     from fsdp_bench.memory.simulate import simulate_alike  # torch: only where it simulates
 
     estimates = [_analytic(run, device_type) for run in runs]
@@ -128,6 +138,7 @@ def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunE
         estimate.method = sim.method
         estimate.estimated_host_gib = sim.host_bytes / GIB
         estimate.wall_s = sim.wall_s
+        estimate.torch_version = torch.__version__
     return estimates
 
 

@@ -26,6 +26,7 @@ from fsdp_bench.job.models import ModelBundle, build_model, initialize
 from fsdp_bench.job.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
+from fsdp_bench.memory.cuda_kernels import use_cuda_kernels
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 from fsdp_bench.memory.repeat_step import STEP, WARMUP
 
@@ -114,12 +115,13 @@ def _simulated_model(
     run: RunConfig, device_type: str
 ) -> Iterator[tuple[nn.Module, ModelBundle, torch.device]]:
     """Rank 0's model of `run`, built for `device_type` and sharded on the meta device, in a
-    fake world of the run's size."""
+    fake world of the run's size, its norms allocating as on `device_type` (`cuda_kernels`)."""
     with fake_world(run.world_size):
         mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=run.mesh_dim_names)
         device = torch.device("cpu")
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
+        use_cuda_kernels(bundle.module, device_type)
         model, _ = wrap_on_meta(bundle, run, mesh, device)
         yield model, bundle, device
 

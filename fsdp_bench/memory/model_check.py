@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import CombinationError, ConfigError, one_line
 from fsdp_bench.memory.pool import in_subprocesses
@@ -265,7 +265,8 @@ def check_init(model: ModelConfig) -> None:
     bundle = build_model(model)
     num_bytes = sum(p.numel() * p.element_size() for p in bundle.module.parameters())
     world_size = max(1, min(1024, -(-num_bytes // INIT_CHECK_SHARD_BYTES)))
-    run = RunConfig(world_size=world_size, model=model)
+    precision = "bf16" if model.dtype == "bf16" else FsdpConfig().mixed_precision  # bf16 storage
+    run = RunConfig(world_size=world_size, model=model, fsdp=FsdpConfig(mixed_precision=precision))
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
         cpu = torch.device("cpu")

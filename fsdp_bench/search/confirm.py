@@ -29,7 +29,7 @@ from fsdp_bench.config.schema import build
 from fsdp_bench.errors import FsdpBenchError, one_line
 from fsdp_bench.launch import Launcher
 from fsdp_bench.launch.driver import Driver, Ledger
-from fsdp_bench.memory.device_memory import calibration
+from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.search.trials import constraint_value, feasible_run_ids
 from fsdp_bench.stats import Estimate, indistinguishable, pass_noise, pass_values
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult

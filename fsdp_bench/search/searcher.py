@@ -37,9 +37,10 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
 from fsdp_bench.launch.driver import Driver, Ledger, Watched
-from fsdp_bench.memory.device_memory import calibration, predicted_oom
+from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
+from fsdp_bench.memory.prediction import predicted_oom
 from fsdp_bench.search.confirm import Confirmation, confirm, skip_reason
 from fsdp_bench.search.samplers import make_sampler
 from fsdp_bench.search.trials import (
@@ -187,6 +188,9 @@ class Searcher:
         return [[run] for run in runs]
 
     def on_record(self, result: RunResult) -> None:
+        """Tell the trials waiting for this run; what it measured corrects the estimates of
+        the points asked from now on (`Calibration.learn`)."""
+        self.known = self.known.learn(result)
         self.watched_runs.discard(result.run_id)
         for trial in self.pending.pop(result.run_id, []):
             self._tell(trial, result)
@@ -223,10 +227,10 @@ class Searcher:
             return None
         self.pending[run.run_id] = [trial]
         estimate = self._estimate(run)
-        prediction = estimate.predict(self.known)
+        prediction = estimate.predict(self.known, run)
         reason = predicted_oom(prediction, self.spec.memory) if self.options.prune else ""
         assert self.driver is not None
-        self.driver.estimates[run.run_id] = estimate.peaks(self.known)
+        self.driver.estimates[run.run_id] = estimate.peaks(self.known, run, self.spec.memory)
         if reason:
             self.counts["pruned"] += 1
             self.driver.record_unlaunched(run, "skipped", reason, {"trial": trial.number})
@@ -249,7 +253,8 @@ class Searcher:
 
     def estimated_peaks(self, runs: list[RunConfig]) -> dict[str, EstimatedPeaks]:
         found = self._estimates(runs)
-        return {k: e.peaks(self.known) for k, e in found.items()}
+        by_id = {run.run_id: run for run in runs}
+        return {k: e.peaks(self.known, by_id[k], self.spec.memory) for k, e in found.items()}
 
     def _estimates(self, runs: list[RunConfig]) -> dict[str, RunEstimate]:
         return estimate_runs(runs, self.store.root / "estimates", device_type=self.device_type)

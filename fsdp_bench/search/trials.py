@@ -9,7 +9,7 @@ import optuna
 
 from fsdp_bench.config.grid import SweepSpec
 from fsdp_bench.config.grid_settings import MemoryConfig
-from fsdp_bench.memory.device_memory import Calibration, calibration
+from fsdp_bench.memory.calibration import Calibration, calibration
 from fsdp_bench.store import ResultStore, RunResult
 
 INFEASIBLE_STATUSES = ("oom", "skipped")

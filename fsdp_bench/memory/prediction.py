@@ -1,0 +1,157 @@
+"""One run's predicted memory per rank as the budget is judged on it: the estimate's figures,
+corrected by what the folder measured (`calibration`), each with its interval (`error_model`),
+and whether it fits: yes when the interval's high end is within the budget, no when its low
+end is over, maybe between. Pruning launches nothing that is `no` and everything else."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fsdp_bench.config.grid_settings import MemoryConfig
+from fsdp_bench.config.run import RunConfig
+from fsdp_bench.memory.calibration import Calibration, Correction
+from fsdp_bench.memory.device_memory import communicators
+from fsdp_bench.memory.error_model import TENSORS, ErrorModel, Interval, Term, error_model
+from fsdp_bench.store import EstimatedPeaks
+
+Fits = Literal["yes", "no", "maybe", "?"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One rank's predicted memory (GiB): the figures, their intervals, the terms that make
+    device-used and where each came from."""
+
+    tensors_gib: float | None
+    allocated_gib: float | None = None
+    reserved_gib: float | None = None
+    device_used_gib: float | None = None
+    errors: ErrorModel | None = None
+    terms_gib: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    correction: Correction = field(default_factory=Correction)
+
+    @property
+    def figures(self) -> dict[str, float | None]:
+        """The three figures and their intervals, under the records' names."""
+        out: dict[str, float | None] = {}
+        for name in ("allocated", "reserved", "device_used"):
+            interval: Interval | None = getattr(self.errors, name) if self.errors else None
+            out[f"estimated_{name}_gib"] = getattr(self, f"{name}_gib")
+            out[f"estimated_{name}_low_gib"] = interval.low_gib if interval else None
+            out[f"estimated_{name}_high_gib"] = interval.high_gib if interval else None
+        return out
+
+    @property
+    def error_terms(self) -> list[Term]:
+        return self.errors.terms if self.errors else []
+
+    @property
+    def unseen(self) -> list[str]:
+        return self.errors.unseen if self.errors else []
+
+
+def predict(
+    run: RunConfig,
+    tensors_gib: float | None,
+    allocated_gib: float | None,
+    reserved_gib: float | None,
+    outside_default_gib: dict[str, float],
+    known: Calibration,
+    *,
+    records_streams: bool = False,
+) -> Prediction:
+    """The figures of an estimate's tensors and allocator replay (None on CPU, where
+    device-used is the tensors plus a configured overhead), corrected by `known`."""
+    if tensors_gib is None:
+        return Prediction(None)
+    correction = known.correction(run)
+    factor = correction.factor
+    if reserved_gib is None or allocated_gib is None:  # no caching allocator to model
+        tensors = tensors_gib * factor
+        extra = known.configured_outside_gib or 0.0
+        term = Term("tensors", tensors * TENSORS.below, tensors * TENSORS.above, TENSORS.source)
+        band = Interval(tensors - term.below_gib + extra, tensors + term.above_gib + extra)
+        errors = ErrorModel(band, band, band, [term])
+        terms = {"tensors": tensors, **({"outside": extra} if extra else {})}
+        sources = {"outside": "configured (memory.overhead_gib)"} if extra else {}
+        return Prediction(tensors_gib, None, None, tensors + extra, errors, terms, sources,
+                          correction)  # fmt: skip
+    reserved = reserved_gib * factor
+    measured = known.outside(run.world_size)
+    if measured is None:
+        outside_gib, outside_range, outside_source = dict(outside_default_gib), None, "model"
+    else:
+        center, outside_range, outside_source = measured
+        outside_gib = {"outside": center}
+    errors = error_model(
+        allocated_gib,
+        reserved,
+        outside_gib,
+        communicators(run, known.gpu),
+        gpu=known.gpu,
+        compiled=run.train.compile != "none",
+        records_streams=records_streams,
+        outside_measured=outside_range,
+    )
+    return Prediction(
+        tensors_gib,
+        allocated_gib,
+        reserved,
+        reserved + sum(outside_gib.values()),
+        errors,
+        {"tensors": tensors_gib, "allocator": reserved - tensors_gib, **outside_gib},
+        {"reserved": f"allocator replay, correction {correction.describe}",
+         "outside": outside_source},
+        correction,
+    )  # fmt: skip
+
+
+def fits(prediction: Prediction, memory: MemoryConfig) -> Fits:
+    """yes: the device-used interval's high end is within the budget less the margin; no:
+    its low end is over; maybe: the budget is inside it. ?: no budget or no estimate."""
+    used = prediction.device_used_gib
+    if memory.budget_gib is None or used is None:
+        return "?"
+    limit = memory.budget_gib - memory.margin_gib
+    interval = prediction.errors.device_used if prediction.errors else Interval(used, used)
+    if interval.high_gib <= limit:
+        return "yes"
+    return "no" if interval.low_gib > limit else "maybe"
+
+
+def predicted_oom(prediction: Prediction, memory: MemoryConfig) -> str:
+    """Why the run cannot fit the budget, naming the terms, or '' unless it fits `no`."""
+    if fits(prediction, memory) != "no":
+        return ""
+    assert prediction.errors is not None and prediction.device_used_gib is not None
+    interval = prediction.errors.device_used
+    parts = " + ".join(f"{name} {value:.2f}" for name, value in prediction.terms_gib.items())
+    sources = "; ".join(f"{k}: {v}" for k, v in prediction.sources.items())
+    return (
+        f"predicted_oom: device-used {prediction.device_used_gib:.2f} GiB, at least "
+        f"{interval.low_gib:.2f} ({parts}; {sources}) + margin {memory.margin_gib:.2f} > "
+        f"budget {memory.budget_gib:.2f} GiB per rank"
+    )
+
+
+def record_peaks(
+    raw: Prediction,
+    decided: Prediction,
+    memory: MemoryConfig,
+    estimated_peak_gib: float | None,
+    analytic_peak_gib: float | None,
+) -> EstimatedPeaks:
+    """What a run's record keeps of its estimate: the raw figures with their intervals (so a
+    correction read back from records is made from the models' own figures), and what was
+    decided with the folder's correction."""
+    correction = decided.correction
+    return EstimatedPeaks(
+        estimated_peak_gib=estimated_peak_gib,
+        analytic_peak_gib=analytic_peak_gib,
+        estimate_fits=fits(decided, memory),
+        estimate_correction=dataclasses.asdict(correction) if correction.run_ids else None,
+        **raw.figures,
+    )
