@@ -79,6 +79,27 @@ class AllocationTrace:
                 model.free(event[1])
         return model
 
+    def without_host_state(self) -> AllocationTrace:
+        """The trace of the accelerator's allocations under CPU offload: FSDP2 keeps the
+        parameter shards, their gradients and the optimizer state in host memory, so
+        neither they nor their frees reach the caching allocator. Shards are the parameters
+        still alive when the trace ends (an unsharded parameter is freed once backward has
+        used it)."""
+        alive = {e[1] for e in self.events if e[0] == "alloc"} - {
+            e[1] for e in self.events if e[0] == "free"
+        }
+        host = {
+            key for key, category in self.categories.items()
+            if category in ("gradient", "optimizer_state")
+            or (category == "parameter" and key in alive)
+        }  # fmt: skip
+        kept = [i for i, e in enumerate(self.events) if e[1] not in host]
+        return AllocationTrace(
+            events=[self.events[i] for i in kept],
+            tags=[self.tags[i] for i in kept] if self.tags else [],
+            categories={k: v for k, v in self.categories.items() if k not in host},
+        )
+
     def allocator_peaks(self, *, expandable: bool = False) -> tuple[int, int]:
         """(peak allocated, peak reserved) bytes of the replay: what max_memory_allocated
         (blocks as booked, cuBLAS's workspaces) and max_memory_reserved (segments) will say."""

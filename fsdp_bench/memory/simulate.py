@@ -271,11 +271,18 @@ def _deepened(
     periods = (plan.target - plan.blocks) // plan.period
     deep = grown(shallow.deepened(plan.target), growth, periods)
     peak, breakdown = deep.live_peak(STEP, with_inputs=run.strategy == "ddp")
-    cuda = device_type == "cuda"
-    allocator = deep.allocator_peaks(expandable=run.train.expandable_segments) if cuda else (0, 0)
+    allocator = _allocator_peaks(deep, run) if device_type == "cuda" else (0, 0)
     method = f"deepened from {plan.blocks} blocks (checked at {at})"
     wall_s = time.perf_counter() - start
     return _on_device(peak, breakdown, method, wall_s, offloaded, allocator), checked
+
+
+def _allocator_peaks(trace: AllocationTrace, run: RunConfig) -> tuple[int, int]:
+    """The caching allocator's peaks for the run's trace; under CPU offload, of what stays
+    on the accelerator (`AllocationTrace.without_host_state`)."""
+    if run.fsdp.cpu_offload and run.strategy != "ddp":
+        trace = trace.without_host_state()
+    return trace.allocator_peaks(expandable=run.train.expandable_segments)
 
 
 def _on_device(
@@ -287,18 +294,13 @@ def _on_device(
     allocator: tuple[int, int],
 ) -> SimulatedEstimate:
     """The estimate of the accelerator's memory. With CPU offload the simulation's one
-    device held the host's share too: the device's tensors are `device_share`'s, and the
-    allocator's figures are scaled down with them (its reserve over tensors kept as a
-    ratio: the host tensors' own allocations are not split off the trace)."""
+    device held the host's share too: the device's tensors are `device_share`'s (the
+    allocator's figures were replayed without the host's share already)."""
     allocated, reserved = allocator
     if not any(offloaded):
         return SimulatedEstimate(peak, breakdown, method, wall_s, 0, allocated, reserved)
     device_peak, breakdown, host = device_share(peak, breakdown, *offloaded)
-    scale = device_peak / max(peak, 1)
-    return SimulatedEstimate(
-        device_peak, breakdown, method, wall_s, host, round(allocated * scale),
-        round(reserved * scale),
-    )  # fmt: skip
+    return SimulatedEstimate(device_peak, breakdown, method, wall_s, host, allocated, reserved)
 
 
 def device_share(
