@@ -44,6 +44,7 @@ benchmarks: install
 	$(BIN)/python benchmarks/orchestration_overhead.py
 	$(BIN)/python benchmarks/slurm_overhead.py
 	$(BIN)/python benchmarks/estimate_accuracy.py
+	$(BIN)/python benchmarks/estimate_vs_published.py
 	$(BIN)/python benchmarks/search_efficiency.py
 	$(BIN)/python benchmarks/ranking_stability.py   # 20 minutes
 

@@ -182,8 +182,9 @@ def test_an_oom_is_evidence_too(tmp_path: Path) -> None:
     assert correction.factor == pytest.approx((80.0 - outside) / 60.0)
     assert big.run_id in correction.run_ids
     injected = dataclasses.replace(big, fault=dataclasses.replace(big.fault, kind="oom"))
+    huge = reason.replace("78.00", "500.00")
     store.record(RunResult(run_id=injected.run_id, status="oom", config=to_plain(injected),
-                           reason=reason.replace("78.00", "500.00"), **peaks._asdict()))  # fmt: skip
+                           reason=huge, **peaks._asdict()))  # fmt: skip
     assert calibration(memory, store).correction(ok).factor == pytest.approx(correction.factor)
 
 

@@ -362,11 +362,13 @@ def test_bf16_storage_of_a_transformers_model_is_checked_estimated_and_run(
     }
     _, df = sweep(tmp_path, grid)
     assert list(df.status) == ["ok"], df.reason.tolist()
-    run = RunConfig(model=ModelConfig(name=configs["llama"], dtype="bf16"),
-                    fsdp=FsdpConfig(mixed_precision="bf16"), data=DataConfig(seq_len=32))  # fmt: skip
+    model = ModelConfig(name=configs["llama"], dtype="bf16")
+    bf16 = FsdpConfig(mixed_precision="bf16")
+    run = RunConfig(model=model, fsdp=bf16, data=DataConfig(seq_len=32))
     [(_, estimate)] = in_subprocesses(estimate_run, [run], user_code=True)
     num_params = int(df.num_params.iloc[0])
-    assert estimate.breakdown_gib["optimizer_state"] * GIB == pytest.approx(4 * num_params, rel=0.02)
+    state_bytes = estimate.breakdown_gib["optimizer_state"] * GIB
+    assert state_bytes == pytest.approx(4 * num_params, rel=0.02)
     assert df.estimated_peak_gib.iloc[0] == pytest.approx(df.tracked_peak_gib.iloc[0], rel=0.05)
 
 

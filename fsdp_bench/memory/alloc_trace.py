@@ -64,13 +64,14 @@ class AllocationTrace:
     """For a trace `deepen` made: the shallow trace's event each event is a copy of."""
 
     def replay(
-        self, *, expandable: bool = False, capacity_bytes: int | None = None
+        self, *, expandable: bool = False, capacity_bytes: int | None = None, cublas: bool = True
     ) -> CachingAllocator:
         """The allocator after the whole trace, cuBLAS's workspaces allocated first (the first
-        matmul asks for them, before the step's first activation). With a capacity, an
-        allocation that cannot fit ends the replay (`OutOfMemory` is raised)."""
+        matmul asks for them, before the step's first activation) unless the trace has them
+        (`cublas` false: a recorded history, `snapshot`). With a capacity, an allocation that
+        cannot fit ends the replay (`OutOfMemory` is raised)."""
         model = CachingAllocator(expandable=expandable, capacity_bytes=capacity_bytes)
-        for handle in range(CUBLAS_HANDLES):
+        for handle in range(CUBLAS_HANDLES if cublas else 0):
             model.malloc(("cublas workspace", handle), CUBLAS_WORKSPACE_BYTES, DEFAULT_STREAM)
         for event in self.events:
             if event[0] == "alloc":
