@@ -10,13 +10,15 @@ the user edited it.
 
 A worker holds nothing that must outlive it (results go back as values), so once told to stop
 it exits without tearing its interpreter down: with torch loaded that teardown takes 0.7 s,
-which a driver at exit, or leaving a pool, waits for.
+which a driver at exit, or leaving a pool, waits for. It also ends when its parent does,
+however that ends.
 """
 
 from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import threading
@@ -71,9 +73,24 @@ def _executor(max_workers: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(
         max_workers=max_workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=atexit.register,
-        initargs=(_exit_now,),
+        initializer=_worker_started,
     )
+
+
+def _worker_started() -> None:
+    """A worker ends with its parent, however the parent ends: killed, it never tells its
+    workers to stop, and each would wait on its queue for ever (it holds the queue's write
+    end too, so no end of file ever comes)."""
+    atexit.register(_exit_now)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        sentinel = parent.sentinel
+        threading.Thread(target=_exit_with, args=(sentinel,), daemon=True).start()
+
+
+def _exit_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def _exit_now() -> None:
