@@ -149,7 +149,8 @@ def test_no_worker_outlives_the_command_that_started_it(tmp_path: Path) -> None:
     an OOM killer or a test's timeout would): every worker ends within seconds. Before, a
     worker blocked on its queue, whose write end it holds too, for ever, with parent 1
     (about 325 MB each, seen after full test runs)."""
-    command = [sys.executable, "-m", "fsdp_bench", "estimate", str(REPO / "sweeps" / "llama8b-h100.yaml"),
+    grid = REPO / "sweeps" / "llama8b-h100.yaml"
+    command = [sys.executable, "-m", "fsdp_bench", "estimate", str(grid),
                "--results", str(tmp_path / "results")]  # fmt: skip
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers: set[int] = set()
