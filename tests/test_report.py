@@ -204,9 +204,17 @@ def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: P
                 estimated_reserved_gib=reserved, estimated_device_used_gib=used,
                 tracked_peak_gib=tracked, peak_memory_gib=peak, peak_reserved_gib=peak_reserved,
                 device_used_peak_gib=peak_used, peak_memory_source="cuda_max_memory_allocated",
+                estimated_reserved_low_gib=reserved - 0.75,
+                estimated_reserved_high_gib=reserved + 0.75,
+                estimate_fits=["yes", "maybe"][index],
+                estimate_correction={"factor": 1.1, "run_ids": ["x"], "scope": "y"} if index
+                else None,
             )
         )  # fmt: skip
     accuracy = summaries.estimate_accuracy(load_results(tmp_path))
+    assert list(accuracy["reserved inside"]) == [True, False]  # 12.5 in 11.25-12.75, 24 not
+    assert list(accuracy["fits"]) == ["yes", "maybe"]
+    assert tables.coverage_line(accuracy) == "1 of 2 measured figures inside their interval"
     root = accuracy.loc["W=8: root"]
     assert root["tensors error %"] == pytest.approx(100 * (20.0 - 19.0) / 19.0)
     assert root["allocated measured"] == 20.4 and root["device-used est"] == 26.0
@@ -215,6 +223,8 @@ def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: P
     assert list(shown.columns)[:4] == ["configuration", "tensors est", "tensors measured",
                                        "tensors error"]  # fmt: skip
     assert shown.set_index("configuration").loc["W=8: block", "reserved error"] == "-4.0%"
+    assert shown.set_index("configuration").loc["W=8: root", "correction"] == "x 1.100"
+    assert shown.set_index("configuration").loc["W=8: root", "reserved inside"] == "no"
     assert summaries.estimate_accuracy(load_results(tmp_path).iloc[0:0]).empty
 
 

@@ -1,8 +1,6 @@
-"""`fsdp-bench report`: a results folder (and optionally a second one) -> report folder.
-
-Loads the runs, computes the summaries, draws the figures and writes `report.html` (one
-self-contained file) and `summary.md` (to paste into a design doc) beside the PNGs. Works on
-a sweep still running: it reports what is recorded now.
+"""`fsdp-bench report`: a results folder (and optionally a second one) -> report folder:
+`report.html` (one self-contained file) and `summary.md` (to paste into a design doc) beside
+the PNGs. Works on a sweep still running: it reports what is recorded now.
 """
 
 from __future__ import annotations
@@ -49,8 +47,8 @@ class GridInfo:
     metric: str = "tokens_per_s"
     """What a search optimised (search.metric)."""
     margin_gib: float = 0.0
-    """Kept free below the budget (memory.margin_gib): a run fits when peak + margin <= budget,
-    the rule `sweep` prunes by and `search` calls feasible."""
+    """Kept free below the budget (memory.margin_gib): a measured run fits when peak + margin
+    <= budget (what `search` calls feasible)."""
 
 
 @dataclass
@@ -204,8 +202,7 @@ def _measured_sections(
     effects: pd.DataFrame,
     scaling: pd.DataFrame,
 ) -> tuple[list[html_report.Section], list[Figure]]:
-    """What every results folder gets, in report order, and the figures drawn for it: best
-    per world size, runs by status, throughput and memory, effects, scaling."""
+    """What every results folder gets, in report order, and the figures drawn for it."""
     df, budget = inputs.df, inputs.budget_gib
     drawn = [
         figs.throughput_by_grouping(df, canvas),
@@ -218,6 +215,7 @@ def _measured_sections(
         drawn.append(figs.tensor_parallel(df, canvas))
     step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
+    accuracy = summaries.estimate_accuracy(df)
     sections = [
         *_best_and_status_sections(inputs, best),
         html_report.Section("Throughput and memory", "", figures=list(drawn)),
@@ -231,7 +229,7 @@ def _measured_sections(
         html_report.Section(
             "Memory: estimated before launch against measured",
             ESTIMATE_TEXT,
-            [("", report_tables.estimate_table(summaries.estimate_accuracy(df)))],
+            [(report_tables.coverage_line(accuracy), report_tables.estimate_table(accuracy))],
             in_summary=True,
         ),
         html_report.Section(
@@ -292,8 +290,11 @@ ESTIMATE_TEXT = (
     "Per rank, GiB, the largest rank. tensors: the simulation against the tracked tensors; on "
     "CUDA, allocated (max_memory_allocated), reserved (max_memory_reserved: the caching "
     "allocator's segments) and device-used (what the card held: reserved plus the CUDA "
-    "context and NCCL's buffers), each estimated before launch; the budget is judged on "
-    "device-used. Error in % of the measurement."
+    "context and NCCL's buffers), each estimated before launch with its interval "
+    "(memory/error_model.py): inside says whether the measurement fell in it. fits: yes when "
+    "the device-used interval's high end was within the budget, no when its low end was over, "
+    "maybe between; correction: the factor the folder's measured runs put on the estimate "
+    "then (the estimates shown are the models' own). Error in % of the measurement."
 )
 
 STEP_TEXT = (

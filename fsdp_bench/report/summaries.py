@@ -130,8 +130,10 @@ ESTIMATE_PAIRS = {
 
 def estimate_accuracy(df: pd.DataFrame) -> pd.DataFrame:
     """Ok runs with an estimate: for each figure both sides have, the estimate, the
-    measurement and the error in % of the measurement. Index: the run's label (W=8: block);
-    columns `<figure> est`, `<figure> measured`, `<figure> error %`, and run_id."""
+    measurement, the error in % of the measurement and whether the measurement fell inside
+    the estimate's interval; the estimate's fits and the correction it was decided with.
+    Index: the run's label (W=8: block); columns `<figure> est`, `<figure> measured`,
+    `<figure> error %`, `<figure> inside`, fits, correction, and run_id."""
     ok = ok_runs(df)
     pairs = {
         name: (est, got)
@@ -151,6 +153,19 @@ def estimate_accuracy(df: pd.DataFrame) -> pd.DataFrame:
         table[f"{name} est"] = estimated
         table[f"{name} measured"] = measured
         table[f"{name} error %"] = 100 * (estimated - measured) / measured
+        low, high = est.replace("_gib", "_low_gib"), est.replace("_gib", "_high_gib")
+        if low in ok and high in ok and ok[low].notna().any():
+            lows, highs = ok[low].to_numpy(dtype=float), ok[high].to_numpy(dtype=float)
+            table[f"{name} inside"] = [
+                None if math.isnan(a) else bool(a <= m <= b)
+                for a, m, b in zip(lows, measured, highs, strict=True)
+            ]
+    if "estimate_fits" in ok:
+        table["fits"] = ok["estimate_fits"].to_numpy()
+    if "estimate_correction" in ok:
+        table["correction"] = [
+            c.get("factor") if isinstance(c, dict) else None for c in ok["estimate_correction"]
+        ]
     table["run_id"] = ok["run_id"].to_numpy()
     return table
 

@@ -28,6 +28,7 @@ METRIC_COLUMNS = [
     "checkpoint_save_s",
     "checkpoint_load_s",
     "parity_ok",
+    "estimate_fits",
     "status",
 ]
 """What the ranking shows of each run, when any run has it."""
@@ -52,6 +53,7 @@ HEADERS = {
     "tokens_per_s_ratio": "tokens/s ratio",
     "peak_memory_ratio": "peak memory ratio",
     "parity_ok": "parity",
+    "estimate_fits": "fits (estimate)",
     "checkpoint_save_s": "ckpt-save-s",
     "checkpoint_load_s": "ckpt-load-s",
     "micro_batch_size": "micro-batch",
@@ -303,9 +305,22 @@ def estimate_table(accuracy: pd.DataFrame) -> pd.DataFrame:
         return accuracy
     shown_ = accuracy.drop(columns=["run_id"]).reset_index(names="configuration")
     for column in shown_.columns[1:]:
-        pattern = "{:+.1f}%" if column.endswith("error %") else "{:.3f}"
-        shown_[column] = [_num(pattern)(v) for v in shown_[column]]
+        if column.endswith(" inside"):
+            shown_[column] = [_yes_no(v) for v in shown_[column]]
+        elif column == "fits":
+            shown_[column] = [_cell(v) for v in shown_[column]]
+        else:
+            pattern = {"correction": "x {:.3f}"}.get(column, "{:+.1f}%" if column.endswith(
+                "error %") else "{:.3f}")  # fmt: skip
+            shown_[column] = [_num(pattern)(v) for v in shown_[column]]
     return shown_.rename(columns=lambda c: c.replace(" error %", " error"))
+
+
+def coverage_line(accuracy: pd.DataFrame) -> str:
+    """How many measured figures fell inside the interval estimated before launch."""
+    inside = [v for c in accuracy.columns if c.endswith(" inside") for v in accuracy[c]]
+    known = [bool(v) for v in inside if not _missing(v)]
+    return f"{sum(known)} of {len(known)} measured figures inside their interval" if known else ""
 
 
 def dimension_table(counts: pd.DataFrame) -> pd.DataFrame:
