@@ -27,7 +27,11 @@ process imports torch and starts CUDA, ~10 s):
   CUDA context, then NCCL's communicator and buffers: the memory outside the allocator);
 - models (60 s): Llama-3-1B, bf16, seq 2048, without and with activation checkpointing:
   tokens/s, MFU, spread, allocated / reserved / device-used peaks beside their estimates
-  made before launch (within 5%, 10% and 15%; the tracked tensors within 5%);
+  made before launch, each inside the estimate's interval (the tracked tensors within 5%);
+  the summary counts how many measured figures of every part fell inside their intervals;
+- allocator (20 s): a real allocator history (`torch.cuda.memory._record_memory_history`)
+  of two steps, replayed through the allocator model: the same reserved peak; the history is
+  kept (allocator_history.json) as test data for tests/test_allocator.py;
 - parity (45 s): --verify on `small` in fp32 with TF32 off and on (each checked under its own
   precision), in bf16, with CPU offload, and the DDP baseline;
 - failures (30 s): an injected OOM recorded `oom`; two equal runs in one job, the same peak;
@@ -91,6 +95,8 @@ cannot be shorter. Events that missed the steps' work (recorded on another strea
 the ratio far larger. (A per-step synchronised clock is no reference: it lets the GPU idle
 while the CPU starts each step, a cost training does not pay; on the H200 it read 16% above
 the events, `timing.time_repeat`. It is reported beside, for information.)"""
+INTERVAL_FIGURES = ("allocated", "reserved", "device-used")
+"""The CUDA figures estimated with an interval (`memory.error_model`)."""
 TWIN_TOLERANCE_GIB = 2**-10
 """Two equal runs in one job: peaks within a MiB (the allocator rounds to 512 bytes)."""
 
@@ -169,14 +175,20 @@ RUN_COLUMNS = [
 
 
 def rows(df: pd.DataFrame, columns: list[str] = RUN_COLUMNS) -> list[dict[str, Any]]:
-    """The records as plain rows, with the estimate errors against what was measured."""
+    """The records as plain rows, with the estimate errors against what was measured and,
+    where the estimate has an interval, whether the measurement fell inside it."""
     out = []
     pairs = {**ESTIMATE_PAIRS, "analytic": ("analytic_peak_gib", "tracked_peak_gib")}
-    for clean in columns_of(df, columns):
+    full = columns_of(df, list(df.columns))
+    for clean, record in zip(columns_of(df, columns), full, strict=True):
         for name, (estimate, measurement) in pairs.items():
             value, measured = clean.get(estimate), clean.get(measurement)
             if measured and value is not None:
                 clean[f"{name}_error_pct"] = 100 * (value - measured) / measured
+            low = record.get(estimate.replace("_gib", "_low_gib"))
+            high = record.get(estimate.replace("_gib", "_high_gib"))
+            if measured and low is not None and high is not None:
+                clean[f"{name}_inside"] = bool(low <= measured <= high)
         reason = clean.get("reason") or ""
         clean["reason"] = reason.splitlines()[0][:200] if reason else ""
         out.append(clean)
@@ -281,12 +293,13 @@ def models(check: Check) -> dict[str, Any]:
         result["limits"] = ONE_GPU_LIMITS
     expect_runs_ok(result, check)
     ok = [r for r in result["runs"] if r["status"] == "ok"]
-    limits = {"tensors": 5, **({"allocated": 5, "reserved": 10, "device-used": 15}
-                                if check.on_gpu else {})}  # fmt: skip
-    for name, limit_pct in limits.items():
-        errors_pct = {r["run_id"]: r.get(f"{name}_error_pct") for r in ok}
-        off = [run_id for run_id, pct in errors_pct.items() if pct is None or abs(pct) > limit_pct]
-        expect_none(result, f"estimated {name} within {limit_pct}% of the measurement", off)
+    errors_pct = {r["run_id"]: r.get("tensors_error_pct") for r in ok}
+    off = [run_id for run_id, pct in errors_pct.items() if pct is None or abs(pct) > 5]
+    expect_none(result, "estimated tensors within 5% of the measurement", off)
+    if check.on_gpu:
+        outside = [f"{r['run_id']} {name}" for r in ok for name in INTERVAL_FIGURES
+                   if r.get(f"{name}_inside") is not True]  # fmt: skip
+        expect_none(result, "every measured figure inside the estimate's interval", outside)
     if check.on_gpu:
         expect(result, "MFU between 0 and 1", all(0 < (r["mfu"] or 0) < 1 for r in ok))
         expect(result, "reserved >= allocated, device-used >= reserved", all(
@@ -593,9 +606,70 @@ def multi_gpu(check: Check) -> dict[str, Any]:
     return result
 
 
+ALLOCATOR_HISTORY = """
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
+from fsdp_bench.job.models import build_model, initialize
+from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.memory.snapshot import slim
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+run = RunConfig(model=ModelConfig(name="small"), data=DataConfig(seq_len=256, micro_batch_size=2))
+bundle = build_model(run.model, "cuda")
+mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("shard",))
+model, _ = parallelize(bundle, run, mesh, device)
+initialize(bundle, model)
+optimizer = build_optimizer(model, run)
+step = make_train_step(model, optimizer, rank_batches(run, 0, bundle.vocab_size, device), run)
+step()
+step()
+torch.cuda.synchronize(device)
+history = {"run_id": run.run_id, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+           "max_memory_reserved": torch.cuda.max_memory_reserved(device),
+           **slim(torch.cuda.memory._snapshot())}
+json.dump(history, open(sys.argv[1], "w"))
+dist.destroy_process_group()
+"""
+
+
+def allocator(check: Check) -> dict[str, Any]:
+    """A real allocator's history (two steps of `small` at world size 1, recorded in a child
+    process), replayed through the allocator model: the reserved memory must be the same.
+    The history is kept as allocator_history.json, for tests/data/snapshots/."""
+    if not check.on_gpu:
+        return {"not_applicable": "the caching allocator's history needs CUDA"}
+    from fsdp_bench.memory.snapshot import reserved_peak_bytes, trace_of
+
+    path = check.out / "allocator_history.json"
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_HISTORY, str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"recording the history failed:\n{done.stderr[-3000:]}")
+    history = json.loads(path.read_text())
+    recorded = reserved_peak_bytes(history)
+    replayed = trace_of(history).replay(cublas=False).stats.peak_reserved_bytes
+    result: dict[str, Any] = {
+        "entries": len(history["device_traces"][0]),
+        "max_memory_reserved_mib": history["max_memory_reserved"] / 2**20,
+        "history_reserved_peak_mib": recorded / 2**20,
+        "replayed_reserved_peak_mib": replayed / 2**20,
+        "history_file": str(path),
+    }
+    expect(result, "the history's segments reach max_memory_reserved",
+           recorded == history["max_memory_reserved"])  # fmt: skip
+    expect(result, "the allocator model reserves what the allocator did", replayed == recorded)
+    return result
+
+
 PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("environment", environment),
     ("models", models),
+    ("allocator", allocator),
     ("parity", parity),
     ("failures", failures_and_isolation),
     ("harness", harness),
@@ -710,6 +784,10 @@ def summary(parts: dict[str, dict[str, Any]], cuda_initialised_here: bool = Fals
     counts = {v: sum(verdict(p) == v for p in parts.values())
               for v in ("passed", "skipped", "not applicable")}  # fmt: skip
     said = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    inside = [r[f"{name}_inside"] for p in parts.values() for r in p.get("runs", [])
+              for name in INTERVAL_FIGURES if f"{name}_inside" in r]  # fmt: skip
+    if inside:
+        said += f"; {sum(inside)} of {len(inside)} measured figures inside their interval"
     if failed:
         return f"FAILED: {'; '.join(failed)} ({said})"
     return f"no part failed: {said}"

@@ -35,7 +35,8 @@ run)
   timeout -k 10 540 python3 benchmarks/gpu_check.py --out "$work" --budget-s 420 "$@" \
     2>&1 | tee "$OUT/gpu_check.log"
   status=${PIPESTATUS[0]}
-  cp "$work"/gpu_check.md "$work"/gpu_check.json "$OUT"/ 2>/dev/null
+  cp "$work"/gpu_check.md "$work"/gpu_check.json "$work"/allocator_history.json "$OUT"/ \
+    2>/dev/null
   tar -czf "$OUT/records.tar.gz" -C "$work" --exclude=traces --exclude='*.pickle' results \
     2>/dev/null
   # rank 0's profiled CUDA steps, for tests that read a recorded trace (16 MiB a file back)

@@ -89,9 +89,10 @@ def test_the_gpu_check_runs_on_cpu_and_every_part_passes(tmp_path: Path) -> None
     assert done.returncode == 0, report["summary"] + done.stderr[-3000:]
     parts = report["parts"]
     verdicts = {name: gpu_check_module().verdict(part) for name, part in parts.items()}
-    applicable = {n for n in verdicts if n not in ("timer", "multi_gpu")}
+    cuda_only = ("timer", "multi_gpu", "allocator")
+    applicable = {n for n in verdicts if n not in cuda_only}
     assert verdicts == {**dict.fromkeys(applicable, "passed"),
-                        "timer": "not applicable", "multi_gpu": "not applicable"}  # fmt: skip
+                        **dict.fromkeys(cuda_only, "not applicable")}  # fmt: skip
     assert all(parts[name]["expectations"] for name in applicable - {"environment"})
     assert report["cuda_initialised_here"] is False
     breakdown = parts["step_breakdown"]["runs"]

@@ -38,8 +38,10 @@ class Prediction:
         """The three figures and their intervals, under the records' names."""
         out: dict[str, float | None] = {}
         for name in ("allocated", "reserved", "device_used"):
+            figure = getattr(self, f"{name}_gib")
             interval: Interval | None = getattr(self.errors, name) if self.errors else None
-            out[f"estimated_{name}_gib"] = getattr(self, f"{name}_gib")
+            interval = interval if figure is not None else None
+            out[f"estimated_{name}_gib"] = figure
             out[f"estimated_{name}_low_gib"] = interval.low_gib if interval else None
             out[f"estimated_{name}_high_gib"] = interval.high_gib if interval else None
         return out
