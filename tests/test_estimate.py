@@ -134,13 +134,17 @@ def test_budget_prunes_before_launch(tmp_path: Path) -> None:
         {"fsdp.reshard_after_forward": [True, False], "fsdp.grouping": ["root", "block"]},
         data={"micro_batch_size": 2},
     )
-    # measured: block/true 0.0202, block/false and root/* 0.0234-0.0253 GiB per rank
-    grid["memory"] = {"budget_gib": 0.024, "margin_gib": 0.001, "overhead_gib": 0.001}
+    # measured: block/true 0.0202, block/false and root/* 0.0234-0.0253 GiB per rank. With
+    # the tensors' interval (+-6%), the overhead and the margin, block/true may fit (its low
+    # end is under the budget, its high end over): launched; the others cannot: skipped.
+    grid["memory"] = {"budget_gib": 0.0215, "margin_gib": 0.001, "overhead_gib": 0.001}
     outcome, df = sweep(tmp_path, grid)
     skipped = df[df.status == "skipped"]
     assert len(skipped) == 3 and outcome.statuses == {"skipped": 3, "ok": 1}
     assert skipped.reason.str.startswith("predicted_oom: device-used").all()
-    assert (skipped.estimated_peak_gib + 0.002 > 0.024).all()
+    assert (skipped.estimated_device_used_low_gib + 0.001 > 0.0215).all()
+    assert (skipped.estimate_fits == "no").all()
+    assert list(df[df.status == "ok"].estimate_fits) == ["maybe"]
     launched = started_counts(tmp_path / "results")
     assert set(launched) == set(df[df.status == "ok"].run_id), "skipped runs never launched"
 
@@ -158,10 +162,13 @@ def test_estimate_command(tmp_path: Path) -> None:
     assert lines[0].split()[:8] == header
     for line in lines[1:3]:  # on CPU no allocator: device-used is the tensors
         cells = line.split()
-        assert cells[4:6] == ["-", "-"] and cells[6] == cells[3] and cells[7] == "yes"
+        assert cells[4:6] == ["-", "-"] and cells[6] == cells[3] and cells[8] == "yes"
+        low, high = map(float, cells[7].strip("()").split("-"))
+        assert low <= float(cells[6]) <= high and low < high
     assert (
         "for cpu (no caching allocator" in lines[-1] and "Budget 1 GiB on device-used" in lines[-1]
     )
+    assert lines[-2] == "2 of 2 runs fit, 0 may fit (launched and measured), 0 do not (skipped)"
     rows = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout
     )
@@ -187,12 +194,20 @@ def test_estimate_for_cuda_on_a_fresh_folder_prints_three_figures_and_judges_dev
         reserved, used = row["estimated_reserved_gib"], row["estimated_device_used_gib"]
         assert tensors < allocated <= reserved < used  # + cuBLAS workspaces, + segments
         assert used == pytest.approx(reserved + 0.75 + 0.55)  # context, one communicator
-        assert row["sources"] == {"reserved": "allocator model", "outside": "default model"}
+        assert (
+            row["sources"]["outside"] == "model" and "correction none" in row["sources"]["reserved"]
+        )
+        for name in ("allocated", "reserved", "device_used"):
+            low, high = row[f"estimated_{name}_low_gib"], row[f"estimated_{name}_high_gib"]
+            assert low < row[f"estimated_{name}_gib"] < high
+            assert 0 < row["half_width_pct"][name] < 50
+        assert row["fits"] == "?" and {t["name"] for t in row["error_terms"]} >= {"tensors", "nccl"}
     budget = (rows[1]["estimated_peak_gib"] + rows[1]["estimated_device_used_gib"]) / 2
     grid["memory"] = {"budget_gib": round(budget, 3)}
     path = write_grid(tmp_path, grid)
     rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
     assert rows[1]["predicted_oom"].startswith("predicted_oom: device-used ")
+    assert rows[1]["fits"] == "no"
     assert "allocator" in rows[1]["predicted_oom"] and "nccl 0.55" in rows[1]["predicted_oom"]
     table = subprocess.run([c for c in command if c != "--json"], capture_output=True,
                            text=True, check=True).stdout  # fmt: skip

@@ -134,12 +134,12 @@ def _estimate_json(
 
 
 def _ranged(prediction: Prediction, name: str) -> str:
-    """The figure and its interval: 71.2 (66.9-76.8)."""
+    """The figure and its interval: 71.204 (66.912-76.811)."""
     figure = getattr(prediction, f"{name}_gib")
     interval = getattr(prediction.errors, name) if prediction.errors else None
     if figure is None or interval is None:
         return _gib(figure)
-    return f"{figure:.2f} ({interval.low_gib:.2f}-{interval.high_gib:.2f})"
+    return f"{figure:.3f} ({interval.low_gib:.3f}-{interval.high_gib:.3f})"
 
 
 def _fit_counts(verdicts: dict[str, Fits], spec: SweepSpec) -> str:
