@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_bench.config.gpus import CUBLAS_HANDLES, CUBLAS_WORKSPACE_SM90_BYTES
 from fsdp_bench.config.grid import expand, parse_grid
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
@@ -366,7 +367,7 @@ MEASURED = {
 
 def _measured_apart(run: RunConfig, record: dict[str, Any]) -> str:
     """Why a measured run is not a fair test of the estimate, if it is not."""
-    cublas_gib = error_model.CUBLAS_HANDLES * error_model.CUBLAS_WORKSPACE_MODELLED_BYTES / GIB
+    cublas_gib = CUBLAS_HANDLES * CUBLAS_WORKSPACE_SM90_BYTES / GIB
     leftover_gib = (record.get("allocated_at_start_gib") or 0) - cublas_gib
     if leftover_gib > 1 / 1024:  # more than cuBLAS's workspaces alive when it began
         return f"began with {leftover_gib * 1024:.1f} MiB of an earlier run alive"

@@ -25,7 +25,20 @@ class GpuKind:
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        return 32 << 20 if self.compute_capability >= (9, 0) else (8 << 20) + (128 << 10)
+        return (
+            CUBLAS_WORKSPACE_SM90_BYTES
+            if self.compute_capability >= (9, 0)
+            else (CUBLAS_WORKSPACE_BEFORE_SM90_BYTES)
+        )
+
+
+CUBLAS_WORKSPACE_SM90_BYTES = 32 << 20
+CUBLAS_WORKSPACE_BEFORE_SM90_BYTES = (8 << 20) + (128 << 10)
+"""cuBLAS's workspace per (handle, stream), allocated through the caching allocator and kept
+(`:4096:8` on sm90+; aten/src/ATen/cuda/CublasHandlePool.cpp, docs/source/notes/cuda.rst)."""
+CUBLAS_HANDLES = 2
+"""Handles are per thread: the main thread's (forward, optimizer) and autograd's device
+thread's (backward), both on the default stream."""
 
 
 GPUS: dict[str, GpuKind] = {

@@ -37,18 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fsdp_bench.config.gpus import CUBLAS_HANDLES, CUBLAS_WORKSPACE_SM90_BYTES
 from fsdp_bench.job.tracker import marked_propagation, propagating
 from fsdp_bench.memory.allocator import CachingAllocator, OutOfMemory
 
 DEFAULT_STREAM = "default"
-
-CUBLAS_WORKSPACE_BYTES = 32 << 20
-"""cuBLAS's workspace on Hopper and later (sm90+: `:4096:8`, 32 MiB; 8 MiB + 128 KiB before),
-allocated through the caching allocator once per (handle, stream) and kept
-(aten/src/ATen/cuda/CublasHandlePool.cpp, docs/source/notes/cuda.rst)."""
-CUBLAS_HANDLES = 2
-"""Handles are per thread: the main thread's (forward, optimizer) and autograd's device
-thread's (backward), both on the default stream."""
 
 
 @dataclass
@@ -72,7 +65,7 @@ class AllocationTrace:
         cannot fit ends the replay (`OutOfMemory` is raised)."""
         model = CachingAllocator(expandable=expandable, capacity_bytes=capacity_bytes)
         for handle in range(CUBLAS_HANDLES if cublas else 0):
-            model.malloc(("cublas workspace", handle), CUBLAS_WORKSPACE_BYTES, DEFAULT_STREAM)
+            model.malloc(("cublas workspace", handle), CUBLAS_WORKSPACE_SM90_BYTES, DEFAULT_STREAM)
         for event in self.events:
             if event[0] == "alloc":
                 model.malloc(event[1], event[2], event[3])

@@ -21,7 +21,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fsdp_bench.config.gpus import GPUS
+from fsdp_bench.config.gpus import (
+    CUBLAS_HANDLES,
+    CUBLAS_WORKSPACE_BEFORE_SM90_BYTES,
+    CUBLAS_WORKSPACE_SM90_BYTES,
+    GPUS,
+)
 
 GIB = 1024**3
 
@@ -94,9 +99,7 @@ NVLS_GIB = 1.0
 """NVLink SHARP's multicast buffers, per communicator with several ranks on an NVSwitch node:
 not measured here, so counted in the high end only. Sources that it is large enough to
 matter: JAX-Toolbox PR 383 and NeMo-Framework-Launcher PR 127 turn NVLS off to save memory."""
-CUBLAS_HANDLES = 2
-CUBLAS_WORKSPACE_MODELLED_BYTES = 32 << 20
-"""What the allocator replay books per handle (`alloc_trace`): the sm90+ size."""
+NVLS_SOURCE = "NVLS multicast buffers, not measured: up to 1 GiB per communicator assumed"
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,9 @@ def _widest(a: Band, b: Band) -> Band:
 def _cublas(gpu: str | None) -> Term:
     """The replay books the sm90+ workspace; older or unknown GPUs may book less."""
     kind = GPUS.get(gpu or "")
-    if kind is not None and kind.cublas_workspace_bytes == CUBLAS_WORKSPACE_MODELLED_BYTES:
+    if kind is not None and kind.cublas_workspace_bytes == CUBLAS_WORKSPACE_SM90_BYTES:
         return Term("cublas_workspace", 0.0, 0.0, "32 MiB per handle on sm90+")
-    smaller = CUBLAS_HANDLES * (CUBLAS_WORKSPACE_MODELLED_BYTES - (8 << 20) - (128 << 10))
+    smaller = CUBLAS_HANDLES * (CUBLAS_WORKSPACE_SM90_BYTES - CUBLAS_WORKSPACE_BEFORE_SM90_BYTES)
     return Term("cublas_workspace", smaller / GIB, 0.0, "8 MiB + 128 KiB per handle before sm90")
 
 
@@ -217,9 +220,6 @@ def _outside_terms(communicators: list[Communicator], gpu: str | None) -> list[T
     if nvls:
         terms.append(Term("nvls", 0.0, nvls, NVLS_SOURCE))
     return terms
-
-
-NVLS_SOURCE = "NVLS multicast buffers, not measured: up to 1 GiB per communicator assumed"
 
 
 def _measured_outside(default_gib: float, measured: tuple[float, float]) -> Term:
