@@ -75,7 +75,7 @@ from fsdp_bench import load_results
 from fsdp_bench.config import parse_grid
 from fsdp_bench.job.step_trace import breakdown, timeline_from_trace
 from fsdp_bench.report import tables
-from fsdp_bench.report.summaries import ESTIMATE_PAIRS
+from fsdp_bench.report.estimates import ESTIMATE_PAIRS
 from fsdp_bench.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from fsdp_bench.cli.main import main
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.report import configs, failures, figure_data, summaries, tables, ties
+from fsdp_bench.report import configs, estimates, failures, figure_data, summaries, tables, ties
 from fsdp_bench.report.build import build_report, load
 from fsdp_bench.report.compare import compare_results
 from fsdp_bench.report.figure_data import MIB
@@ -211,7 +211,7 @@ def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: P
                 else None,
             )
         )  # fmt: skip
-    accuracy = summaries.estimate_accuracy(load_results(tmp_path))
+    accuracy = estimates.estimate_accuracy(load_results(tmp_path))
     assert list(accuracy["reserved inside"]) == [True, False]  # 12.5 in 11.25-12.75, 24 not
     assert list(accuracy["fits"]) == ["yes", "maybe"]
     assert tables.coverage_line(accuracy) == "1 of 2 measured figures inside their interval"
@@ -225,7 +225,7 @@ def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: P
     assert shown.set_index("configuration").loc["W=8: block", "reserved error"] == "-4.0%"
     assert shown.set_index("configuration").loc["W=8: root", "correction"] == "x 1.100"
     assert shown.set_index("configuration").loc["W=8: root", "reserved inside"] == "no"
-    assert summaries.estimate_accuracy(load_results(tmp_path).iloc[0:0]).empty
+    assert estimates.estimate_accuracy(load_results(tmp_path).iloc[0:0]).empty
 
 
 def test_effect_axes_are_the_configuration_less_model_scale_and_faults() -> None:

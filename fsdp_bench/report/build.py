@@ -17,7 +17,7 @@ import yaml
 from fsdp_bench import study_storage
 from fsdp_bench.errors import FsdpBenchError, ResultsError
 from fsdp_bench.report import compare as comparing
-from fsdp_bench.report import figure_data, memory_figures, summaries, ties
+from fsdp_bench.report import estimates, figure_data, memory_figures, summaries, ties
 from fsdp_bench.report import figures as figs
 from fsdp_bench.report import html as html_report
 from fsdp_bench.report import search_figures as study_figures
@@ -215,7 +215,7 @@ def _measured_sections(
         drawn.append(figs.tensor_parallel(df, canvas))
     step_figure = figs.step_breakdown(df, canvas)
     scaling_figure = figs.scaling(df, canvas)
-    accuracy = summaries.estimate_accuracy(df)
+    accuracy = estimates.estimate_accuracy(df)
     sections = [
         *_best_and_status_sections(inputs, best),
         html_report.Section("Throughput and memory", "", figures=list(drawn)),

@@ -300,7 +300,7 @@ def step_table(phases: pd.DataFrame) -> pd.DataFrame:
 
 
 def estimate_table(accuracy: pd.DataFrame) -> pd.DataFrame:
-    """`summaries.estimate_accuracy` for people: GiB to three decimals, errors signed."""
+    """`estimates.estimate_accuracy` for people: GiB to three decimals, errors signed."""
     if accuracy.empty:
         return accuracy
     shown_ = accuracy.drop(columns=["run_id"]).reset_index(names="configuration")
