@@ -62,7 +62,7 @@ def test_a_sweep_withdraws_the_runs_its_first_measurement_shows_do_not_fit(
     """All five runs are packed into one local job. The first measures 15% above its
     estimate; the driver learns x 1.15 from it and asks the job not to start the runs whose
     corrected interval is now wholly over the budget; the worker records them as skipped.
-    (The second run has usually started by then and is measured.)"""
+    (The job's second run may have started by then and is measured.)"""
     spec, store = biased_grid(tmp_path, "redecide", {})
     runs = expand(spec).runs
     before = calibration(spec.memory, None)
@@ -71,13 +71,14 @@ def test_a_sweep_withdraws_the_runs_its_first_measurement_shows_do_not_fit(
     run_sweep(spec, SweepOptions(results_dir=store.root, progress=False))
     records = [store.get(run.run_id) for run in runs]
     assert all(r is not None for r in records)
-    first, *later = records
-    assert first is not None and first.status == "ok"
+    measured = sorted((r for r in records if r is not None and r.status == "ok"),
+                      key=lambda r: r.provenance["finished_at"])  # fmt: skip
+    skipped = [r for r in records if r is not None and r.status == "skipped"]
+    statuses = [(r.run_id, r.status) for r in records if r is not None]
+    # the job's first run, and at most the one it had started when the driver read the first
+    assert 1 <= len(measured) <= 2 and len(skipped) == 5 - len(measured), statuses
+    first = measured[0]
     assert first.tracked_peak_gib / first.estimated_peak_gib == pytest.approx(UNDER, rel=0.01)
-    skipped = [r for r in later if r is not None and r.status == "skipped"]
-    assert {r.run_id for r in skipped} >= {runs[3].run_id, runs[4].run_id}, [
-        (r.run_id, r.status) for r in records if r is not None
-    ]
     for record in skipped:
         assert record.reason.startswith("predicted_oom: device-used")
         assert record.estimate_fits == "no"
