@@ -138,7 +138,7 @@ class Pruner:
         *,
         prune: bool,
     ) -> None:
-        self.spec, self.store, self.driver, self.estimates = spec, store, driver, estimates
+        self.spec, self.driver, self.estimates = spec, driver, estimates
         self.pending = {run.run_id: run for run in runs}
         self.prune = prune and spec.memory.budget_gib is not None
         self.known = calibration(spec.memory, store)

@@ -201,3 +201,24 @@ def test_a_cpu_run_is_corrected_on_its_tensors(tmp_path: Path) -> None:
     later = RunConfig(world_size=2, fsdp=FsdpConfig(grouping="root"))
     prediction = estimate.predict(calibration(MemoryConfig(), store), later)
     assert prediction.device_used_gib == pytest.approx(1.15)
+
+
+def test_memory_outside_the_allocator_is_learned_per_world_size(tmp_path: Path) -> None:
+    """Device-used minus reserved measured at world size 8 replaces the context and NCCL terms
+    there (median, with the range as its interval); at 64 ranks the runs have other
+    communicators, and the default model stands."""
+    store = ResultStore(tmp_path)
+    for seed, gap in enumerate((1.2, 1.5, 2.1)):
+        run = RunConfig(world_size=8, data=DataConfig(seed=seed))
+        result = measured(run, estimate_of(run, 20.0, 25.0), reserved=25.0)
+        store.record(dataclasses.replace(result, device_used_peak_gib=25.0 + gap))
+    known = calibration(MemoryConfig(), store)
+    here = RunConfig(world_size=8, data=DataConfig(seed=9))
+    prediction = estimate_of(here, 20.0, 25.0).predict(known, here)
+    assert prediction.device_used_gib == pytest.approx(25.0 + 1.5)
+    assert prediction.errors is not None
+    assert prediction.errors.device_used.high_gib >= 25.0 + 2.1
+    assert "3 CUDA runs at world size 8" in prediction.sources["outside"]
+    wide = RunConfig(world_size=64)
+    default = estimate_of(wide, 20.0, 25.0).predict(known, wide)
+    assert default.sources["outside"] == "model"

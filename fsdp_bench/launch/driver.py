@@ -293,24 +293,22 @@ class Driver:
             run, verdict.status, verdict.reason, {"job_id": job.job_id, "job_state": state}
         )
 
-    def withdraw(self, run: RunConfig, status: str, reason: str) -> bool:
+    def withdraw(self, run: RunConfig, status: str, reason: str) -> None:
         """Take back a run decided against after it was packed (its estimate, corrected by
         runs measured since, no longer fits): dropped from its pack before the pack is
         submitted, or skipped by its job's worker if the run has not started (the record is
-        written then, `ResultStore.request_skip`). False: it has started, or is recorded."""
+        written then, `ResultStore.request_skip`); a run started or recorded goes on."""
         if self.store.has(run.run_id):
-            return False
+            return
         for pack in self.packs:
             if run in pack:
                 pack.remove(run)
                 self.packs[:] = [p for p in self.packs if p]
                 self.record_unlaunched(run, status, reason, {})
-                return True
-        if (self.store.inflight(run.run_id) / "started.json").exists():
-            return False
-        peaks = self.estimates.get(run.run_id)
-        self.store.request_skip(unmeasured_record(run, status, reason, {}, peaks))
-        return True
+                return
+        if not (self.store.inflight(run.run_id) / "started.json").exists():
+            peaks = self.estimates.get(run.run_id)
+            self.store.request_skip(unmeasured_record(run, status, reason, {}, peaks))
 
     def record_unlaunched(
         self, run: RunConfig, status: str, reason: str, provenance: dict[str, Any]

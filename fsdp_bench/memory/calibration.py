@@ -96,17 +96,16 @@ class Calibration:
 
     def outside(self, world_size: int) -> tuple[float, tuple[float, float], str] | None:
         """(median, (lowest, highest)) GiB of device-used minus reserved in measured runs of
-        this world size (else any), and what it came from; None without such runs."""
+        this world size, and what it came from; None without such runs (another world size
+        has other communicators, over other links: the default model stands then)."""
         if self.configured_outside_gib is not None:
             value = self.configured_outside_gib
             return value, (value, value), "configured (memory.overhead_gib)"
-        mine = {k: v for k, v in self.outside_gaps_gib.items() if self._on_my_gpu(k[0])}
-        here = [g for (_, w), gaps in mine.items() if w == world_size for g in gaps]
-        gaps = here or [g for gaps in mine.values() for g in gaps]
+        gaps = [g for (device, w), found in self.outside_gaps_gib.items()
+                if w == world_size and self._on_my_gpu(device) for g in found]  # fmt: skip
         if not gaps:
             return None
-        where = f"world size {world_size}" if here else "all world sizes"
-        source = f"measured: {len(gaps)} CUDA runs, {where}"
+        source = f"measured: {len(gaps)} CUDA runs at world size {world_size}"
         return statistics.median(gaps), (min(gaps), max(gaps)), source
 
     def learn(self, result: RunResult) -> Calibration:
