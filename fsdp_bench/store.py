@@ -6,11 +6,11 @@ Layout of a results folder (`results/<grid name>/` by default):
     inflight/<run_id>/        a run in progress: who started it, per-rank failure notes
     jobs/                     launcher state and submitit's job folders (logs)
     skip/<run_id>.json        a run its job should not start, and its record (`take_skip`)
+    replaced/                 records set aside (--rerun, a run measured again)
     grid.yaml                 the grid as it was given, for provenance
 
-One file per run means no two writers ever touch the same file, on one machine or over a
-shared filesystem, and a crash can lose at most the run that was executing.
-"""
+One file per run: no two writers ever touch the same file, on one machine or over a shared
+filesystem, and a crash can lose at most the run that was executing."""
 
 from __future__ import annotations
 
@@ -32,22 +32,22 @@ if TYPE_CHECKING:
 GIB = 1024**3
 """Bytes per GiB: records give memory in GiB, as `nvidia-smi` and allocator stats do."""
 
-Status = Literal["ok", "oom", "error", "timeout", "skipped", "cancelled", "preempted", "node_fail"]
+Status = Literal[
+    "ok", "oom", "error", "timeout", "skipped", "cancelled", "preempted", "node_fail", "unstable"
+]
 
 
 @dataclass(kw_only=True)
 class RunResult:
-    """What one run produced: its configuration, status, metrics and provenance.
-
-    Metrics are None when the run did not get that far (failures) or when the device cannot
-    provide them (MFU and reserved memory on CPU).
-    """
+    """What one run produced: its configuration, status, metrics and provenance. Metrics are
+    None where the run did not get that far or the device cannot give them (MFU on CPU)."""
 
     run_id: str
     status: Status
     config: dict[str, Any]
     reason: str = ""
-    """For failures: the class detail and the tail of the error or log."""
+    """Why a run is not ok: the failure's class and the tail of its error or log; for an
+    `unstable` run, how its passes disagreed (`launch.stability`)."""
     # Throughput (timed steps only; each step's time is the slowest rank's)
     tokens_per_s: float | None = None
     """From the median step time."""
@@ -62,8 +62,7 @@ class RunResult:
     """The 95% interval of the median step time (`fsdp_bench.stats`: order statistics,
     distribution-free); None with fewer than 6 timed steps."""
     ci_converged: bool | None = None
-    """With measure.target_ci_pct: whether the interval's half-width came within the target
-    (false: max_repeats ran out first); None without a target."""
+    """With measure.target_ci_pct: whether the interval came within it before max_repeats."""
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
     step_time_spread_pct: float | None = None
@@ -90,9 +89,8 @@ class RunResult:
     """CUDA: device memory in use after the timed steps (largest rank), from the driver: the
     allocator's reserve plus the CUDA context, NCCL buffers and workspaces outside it."""
     device_used_at_init_gib: float | None = None
-    """CUDA: device memory in use when the job's process group had run its first collective,
-    before any model was built (largest rank): the CUDA context and NCCL's communicator and
-    buffers, the part of device_used_peak_gib outside the allocator before workspaces."""
+    """CUDA: device memory in use after the job group's first collective, before any model
+    (largest rank): the CUDA context and NCCL's buffers, outside the allocator."""
     tracked_peak_gib: float | None = None
     """Tracked tensors at the peak on the run's device; on CUDA without host memory."""
     host_peak_gib: float | None = None
@@ -174,9 +172,7 @@ class RunResult:
     """Each all-gather's duration, and its time with no compute beside it, in issue order."""
     # Distributed Checkpoint of the sharded model and optimizer state (measure.checkpoint)
     memory_timeline: dict[str, Any] | None = None
-    """Rank 0's tracked memory over the profiled step (`job.memory_timeline`): `points`
-    [operator index, bytes, "module phase"] (at most 400, each the largest of its stretch),
-    `collectives` [operator index, kind], `num_ops`, `peak_bytes`, `peak_at`."""
+    """Rank 0's tracked memory over the profiled step (`job.memory_timeline.Timeline`)."""
     memory_peak_at: str | None = None
     """The module and phase running at the tracked peak ("layers.1 backward"; "loss" or
     "optimizer" outside every module)."""
@@ -189,31 +185,27 @@ class RunResult:
     """Where the files were kept (measure.keep_checkpoint); None: removed after the load."""
     checkpoint_restore_ok: bool | None = None
     checkpoint_reshard_ok: bool | None = None
-    """--verify: loading at the same world size restored every tensor of the state; loading
-    at world size 1 gave every full parameter. A failure's text is in `reason`."""
+    """--verify: the state restored at the same world size; every full parameter at world
+    size 1. A failure's text is in `reason`."""
     # The machine around the run (`fsdp_bench.job.load`): sampled before the model is built
     # and after the timed steps, each in a 0.1 s window while the run's ranks sleep
     contended: bool | None = None
-    """True when something else competed: processes outside the run used more than
-    `load.CONTENDED_CPU_PCT` (10%) of a host's CPU over the run (`WINDOW_CONTENDED_PCT`, 25%,
-    in a 0.1 s window), or another process was on one of the run's GPUs. None: not sampled
-    (failures, older records)."""
+    """Something else competed: other processes used more than `load.CONTENDED_CPU_PCT` of a
+    host's CPU over the run (`WINDOW_CONTENDED_PCT` in a 0.1 s window), or another process
+    was on one of the run's GPUs. None: not sampled (failures, older records)."""
     contention: str = ""
     """What made the run contended, in one line ("" when quiet)."""
     load_per_core_start: float | None = None
     load_per_core_end: float | None = None
-    """The 1-minute load average over the cores (largest host); counts the run's own ranks
-    and lags, so it is recorded but decides nothing."""
+    """The 1-minute load average over the cores (largest host): recorded, decides nothing."""
     other_cpu_start_pct: float | None = None
     other_cpu_end_pct: float | None = None
     """Percent of a host's CPU (all cores = 100) that processes other than the run's ranks
     used in each window (largest host)."""
     other_cpu_run_pct: float | None = None
-    """The same from the start window to the end window: over the run, its timed steps
-    included (largest host and pass)."""
+    """The same over the run, start window to end window (largest host and pass)."""
     gpu_other_processes: int | None = None
-    """CUDA with NVML (`pynvml`): the most processes other than the run's seen on any one of
-    its GPUs, at start or end; None without NVML or on CPU."""
+    """With NVML: the most processes other than the run's seen on one of its GPUs."""
     # Provenance
     setup_s: float | None = None
     """Build, shard and materialise the model, create the optimizer (slowest rank)."""
@@ -317,6 +309,15 @@ class ResultStore:
 
     def inflight(self, run_id: str) -> Path:
         return self.inflight_dir / run_id
+
+    def set_aside(self, run_id: str) -> None:
+        """Move a record to replaced/ (kept, not deleted): the run is measured again."""
+        path = self.runs_dir / f"{run_id}.json"
+        if path.exists():
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
+            target = self.root / "replaced" / f"{run_id}.{stamp}.json"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.replace(target)
 
     def request_skip(self, result: RunResult) -> None:
         """Ask the job holding a run not to start it: `result` becomes its record (`take_skip`)."""

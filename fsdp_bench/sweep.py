@@ -12,14 +12,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
-from fsdp_bench.launch.driver import Driver, Ledger, Watched, age_s, pack_runs
+from fsdp_bench.launch.driver import Driver, Watched, age_s, pack_runs
+from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
@@ -73,10 +73,13 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     check_models(runs, again=options.rerun)
     store.save_grid(spec.source)
     if options.rerun:
-        _set_aside(store, [r.run_id for r in runs])
+        for run in runs:
+            store.set_aside(run.run_id)
         _forget_estimates(store, [r.run_id for r in runs if r.model.is_user_model])
     elif options.rerun_contended:
-        _set_aside(store, [r.run_id for r in runs if _contended(store.get(r.run_id))])
+        for run in runs:
+            if _contended(store.get(run.run_id)):
+                store.set_aside(run.run_id)
     done = store.done_ids()
     outcome = SweepOutcome(
         results_dir=store.root,
@@ -278,14 +281,3 @@ def _forget_estimates(store: ResultStore, run_ids: list[str]) -> None:
     one imports: a rerun estimates again."""
     for run_id in run_ids:
         (store.root / "estimates" / f"{run_id}.json").unlink(missing_ok=True)
-
-
-def _set_aside(store: ResultStore, run_ids: list[str]) -> None:
-    """--rerun: move existing records to replaced/ (kept, not deleted) so the runs go again."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    for run_id in run_ids:
-        path = store.runs_dir / f"{run_id}.json"
-        if path.exists():
-            target = store.root / "replaced" / f"{run_id}.{stamp}.json"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            path.replace(target)

@@ -153,10 +153,11 @@ class TrainConfig:
 class FaultConfig:
     """A fault to inject, to check that failures are classified (tests, cluster shakedowns)."""
 
-    kind: Literal["none", "oom", "error", "hang", "exit", "interrupt"] = "none"
+    kind: Literal["none", "oom", "error", "hang", "exit", "interrupt", "slow_pass"] = "none"
     """oom: a real allocation far beyond memory; error: an exception; hang: stop taking part
     in collectives; exit: the process dies without a word; interrupt: SIGINT to the rank, a
-    Ctrl-C that reached the ranks but not fsdp-bench."""
+    Ctrl-C that reached the ranks but not fsdp-bench; slow_pass: each step of the run's
+    first pass takes 20 times as long (passes that disagree)."""
     rank: int = 0
     """The rank that misbehaves (the others run normally)."""
 

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -83,10 +84,30 @@ def _tail(lines: list[str], keep: int = 5) -> str:
     return "".join(lines[-keep:]).strip()[-2000:]
 
 
+SLOWED = 20
+"""How many times as long a step of a `slow_pass` run's first pass takes."""
+
+
+def slowed(
+    run: RunConfig, rank: int, step: Callable[[], None], first_pass: bool
+) -> Callable[[], None]:
+    """The step, or for `fault.kind: slow_pass` in a first pass on its rank the step followed
+    by a sleep of SLOWED - 1 times its duration."""
+    if run.fault.kind != "slow_pass" or rank != run.fault.rank or not first_pass:
+        return step
+
+    def slow_step() -> None:
+        start = time.perf_counter()
+        step()
+        time.sleep((SLOWED - 1) * (time.perf_counter() - start))
+
+    return slow_step
+
+
 def inject_fault(run: RunConfig, rank: int, device: torch.device) -> None:
     """The grid's `fault` section: a real failure of the asked kind on one rank, to test
     that each becomes the right record."""
-    if run.fault.kind == "none" or rank != run.fault.rank:
+    if run.fault.kind in ("none", "slow_pass") or rank != run.fault.rank:
         return
     match run.fault.kind:
         case "oom":  # a real allocation failure: 256 TiB

@@ -34,6 +34,7 @@ from fsdp_bench.job.failures import (
     inject_fault,
     mark_started,
     note_failure,
+    slowed,
 )
 from fsdp_bench.job.load import run_pids, sample
 from fsdp_bench.job.measure import StepProfile, profile_once, profile_step
@@ -300,7 +301,7 @@ def _measure_run(
     check_initialised(run.model, model, context.info.world_size)
     optimizer = build_optimizer(model, run)
     batches = rank_batches(run, rank, bundle.vocab_size, device)
-    step = make_train_step(model, optimizer, batches, run)
+    step = slowed(run, rank, make_train_step(model, optimizer, batches, run), first_pass)
     setup_s = time.perf_counter() - start
 
     inject_fault(run, rank, device)

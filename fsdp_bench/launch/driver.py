@@ -10,7 +10,7 @@ Failure policy, by class:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import shutil
 import time
 from collections import Counter
@@ -24,6 +24,8 @@ from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
+from fsdp_bench.launch.ledger import Ledger
+from fsdp_bench.launch.stability import REMEASURES, disagreement, folder_noise
 from fsdp_bench.launch.verdicts import (
     REQUEUED_STATUSES,
     Verdict,
@@ -34,7 +36,7 @@ from fsdp_bench.launch.verdicts import (
 )
 from fsdp_bench.memory.estimate import target_device
 from fsdp_bench.memory.model_check import run_flops
-from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult, now_iso, write_atomic
+from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 
 # A job that ends without starting its next run is retried this many times before the run is
 # recorded as an error (a broken environment must not loop forever).
@@ -86,6 +88,9 @@ class Driver:
         self.seen: set[str] = set()
         self.packs: list[list[RunConfig]] = []
         """Packs not submitted yet (while `run` follows its jobs)."""
+        self.noise_runs: list[RunResult] | None = None
+        """The folder's records whose passes inform the between-pass noise (read once)."""
+        self.disagreements: dict[str, list[str]] = {}
 
     def run(
         self,
@@ -219,11 +224,34 @@ class Driver:
     def announce(self, result: RunResult | None) -> None:
         if result is None or result.run_id in self.seen:
             return
+        result = self._stable(result)
+        if result is None:  # set aside: the run is measured again when its job has ended
+            return
         self.seen.add(result.run_id)
         self.progress.recorded += 1
         self.progress.statuses[result.status] += 1
         if self.on_record is not None:
             self.on_record(result)
+
+    def _stable(self, result: RunResult) -> RunResult | None:
+        """The record as it stands, or, when its passes disagree beyond the folder's noise
+        (`stability`), None the first time (set aside: measured again) and then the same
+        record made `unstable`, naming both measurements."""
+        if self.noise_runs is None:
+            self.noise_runs = [r for r in self.store.results() if r.run_id != result.run_id]
+        reason = disagreement(result, folder_noise(self.noise_runs))
+        if not reason:
+            self.noise_runs.append(result)
+            return result
+        earlier = self.disagreements.setdefault(result.run_id, [])
+        earlier.append(reason)
+        if len(earlier) <= REMEASURES:
+            self.store.set_aside(result.run_id)
+            return None
+        said = "; measured again: ".join(earlier)
+        unstable = dataclasses.replace(result, status="unstable", reason=said)
+        self.store.record(unstable)
+        return unstable
 
     def _watchdog(self, item: Watched) -> None:
         """Cancel a job whose run overran its time, or whose ranks failed but did not all end."""
@@ -360,33 +388,3 @@ def pack_runs(runs: list[RunConfig], launcher: LauncherConfig) -> list[list[RunC
 
 def _shape(runs: list[RunConfig]) -> tuple[int, int]:
     return runs[0].world_size, runs[0].nodes
-
-
-class Ledger:
-    """Which runs went into which job, on disk, so a restarted driver can find its jobs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.entries: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
-
-    def add(self, kind: str, jobs: list[tuple[str, list[str]]]) -> None:
-        """Jobs just submitted: (job id, run ids) each."""
-        submitted_at = now_iso()
-        self.entries += [
-            {"job_id": job_id, "launcher": kind, "run_ids": run_ids,
-             "submitted_at": submitted_at, "open": True}
-            for job_id, run_ids in jobs
-        ]  # fmt: skip
-        self._save()
-
-    def close(self, job_id: str) -> None:
-        for entry in self.entries:
-            if entry["job_id"] == job_id:
-                entry["open"] = False
-        self._save()
-
-    def open_jobs(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["open"] and e["launcher"] == kind]
-
-    def _save(self) -> None:
-        write_atomic(self.path, json.dumps(self.entries, indent=1))

@@ -28,7 +28,8 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build
 from fsdp_bench.errors import FsdpBenchError, one_line
 from fsdp_bench.launch import Launcher
-from fsdp_bench.launch.driver import Driver, Ledger
+from fsdp_bench.launch.driver import Driver
+from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.search.trials import constraint_value, feasible_run_ids
 from fsdp_bench.stats import Estimate, indistinguishable, pass_noise, pass_values

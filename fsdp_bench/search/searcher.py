@@ -36,7 +36,8 @@ from fsdp_bench.config.grid_settings import SearchConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, FieldError
 from fsdp_bench.launch import Launcher, make_launcher
-from fsdp_bench.launch.driver import Driver, Ledger, Watched
+from fsdp_bench.launch.driver import Driver, Watched
+from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
