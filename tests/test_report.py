@@ -257,13 +257,22 @@ def test_grouping_order_is_coarse_to_fine() -> None:
     assert figure_data.grouping_order(values) == order
 
 
-def test_grouping_samples_one_row_per_repeat(hand_built: tuple[Path, dict[str, str]]) -> None:
-    samples = figure_data.grouping_samples(load_results(hand_built[0]))
-    assert len(samples) == 5 * 3  # five FSDP runs finished ok, three repeats each
-    block = samples[samples["run_id"] == hand_built[1]["w2_block"]]
-    assert block["tokens_per_s_sample"].tolist() == pytest.approx([2000.0, 1800.0, 1800 / 1.1])
-    assert set(samples["reshard_after_forward"]) == {"default", "true"}
-    assert block["world size"].tolist() == [2, 2, 2]
+def test_grouping_bars_give_each_run_the_rankings_interval(
+    hand_built: tuple[Path, dict[str, str]],
+) -> None:
+    """One bar per run with the tokens/s and interval the ranking shows: a figure drawn from
+    step samples read 800-1,000 tokens/s with a bootstrap interval where the table said 156."""
+    df = load_results(hand_built[0])
+    chosen = df["run_id"] == hand_built[1]["w2_block"]
+    df.loc[chosen, ["tokens_per_s_ci_low", "tokens_per_s_ci_high"]] = [1700.0, 2100.0]
+    bars = figure_data.grouping_bars(df)
+    assert len(bars) == 5  # five FSDP runs finished ok
+    block = bars[bars["run_id"] == hand_built[1]["w2_block"]].iloc[0]
+    assert block["tokens_per_s"] == df[chosen].iloc[0]["tokens_per_s"]
+    assert (block["ci_low"], block["ci_high"]) == (1700.0, 2100.0)
+    assert bars[bars["run_id"] != hand_built[1]["w2_block"]]["ci_low"].isna().all()
+    assert set(bars["reshard_after_forward"]) == {"default", "true"}
+    assert block["world size"] == 2
 
 
 def test_collective_counts_in_calls_and_mib() -> None:

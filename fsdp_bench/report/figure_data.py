@@ -14,7 +14,7 @@ from fsdp_bench.report.configs import (
     ok_runs,
     varying,
 )
-from fsdp_bench.report.summaries import pareto_front, repeat_samples
+from fsdp_bench.report.summaries import pareto_front
 
 MIB = 2**20
 
@@ -43,20 +43,30 @@ def grouping_order(values: pd.Series) -> list[str]:
     return sorted({key(v) for v in values}, key=rank)
 
 
-def grouping_samples(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per timed repeat of the FSDP runs where only grouping, reshard_after_forward
-    and world size vary; grouping and reshard spelled as in YAML, `world size` an int."""
+def grouping_bars(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per FSDP run where only grouping, reshard_after_forward and world size vary:
+    its tokens/s and the same 95% interval the ranking shows (`tokens_per_s_ci_low` and
+    `_high`, NaN where a run has none); grouping and reshard spelled as in YAML, `world size`
+    an int."""
     ok = ok_runs(df)
     ok = ok[ok["strategy"].eq("fsdp")] if "strategy" in ok else ok
-    core = at_baseline(ok, ["grouping", "reshard_after_forward"])
+    core = at_baseline(ok, ["grouping", "reshard_after_forward"]).drop_duplicates("run_id")
+    columns = ["run_id", "world size", "grouping", "reshard_after_forward", "tokens_per_s",
+               "ci_low", "ci_high"]  # fmt: skip
     if core.empty:
-        return core
-    samples = repeat_samples(core)
-    return samples.assign(
-        grouping=samples["grouping"].map(key),
-        reshard_after_forward=samples["reshard_after_forward"].map(key),
-        **{"world size": samples["world_size"].astype(int)},
-    )
+        return pd.DataFrame(columns=columns)
+    missing = pd.Series(float("nan"), index=core.index)
+    return pd.DataFrame(
+        {
+            "run_id": core["run_id"],
+            "world size": core["world_size"].astype(int),
+            "grouping": core["grouping"].map(key),
+            "reshard_after_forward": core["reshard_after_forward"].map(key),
+            "tokens_per_s": core["tokens_per_s"].astype(float),
+            "ci_low": core.get("tokens_per_s_ci_low", missing).astype(float),
+            "ci_high": core.get("tokens_per_s_ci_high", missing).astype(float),
+        }
+    )[columns]
 
 
 def measured_runs(df: pd.DataFrame) -> pd.DataFrame:

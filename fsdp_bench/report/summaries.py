@@ -249,27 +249,6 @@ def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
     return ordered.loc[front]
 
 
-def repeat_samples(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per entry of `step_times_s` (every timed step; one per repeat in records of
-    earlier versions): the tokens a step processes over that time, for error bars. Runs
-    without step times contribute their single tokens/s."""
-    records = []
-    for index, row in df.iterrows():
-        times = row.get("step_times_s")
-        tokens = row.get("tokens_per_s")
-        if tokens is None or pd.isna(tokens):
-            continue
-        step = row.get("step_time_s")
-        if isinstance(times, list) and times and step is not None and not pd.isna(step):
-            per_step = tokens * step
-            samples = [per_step / t for t in times if t]
-        else:
-            samples = [tokens]
-        records += [(index, s) for s in samples]
-    samples_df = pd.DataFrame(records, columns=["_row", "tokens_per_s_sample"])
-    return samples_df.join(df.drop(columns=["tokens_per_s"], errors="ignore"), on="_row")
-
-
 def best_so_far(trials: pd.DataFrame, maximize: bool = True) -> pd.DataFrame:
     """A search's completed trials in order, each marked feasible or not, with the best
     feasible value up to and including it (NaN before the first feasible one).
