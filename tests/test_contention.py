@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -290,3 +291,44 @@ def test_a_rerun_waits_for_the_job_a_killed_driver_left_before_computing(
     df = load_results(results)
     assert len(df) == 6 and set(df.status) == {"ok"}
     assert set(started_counts(results).values()) == {1}, "a run was started twice"
+
+
+@pytest.mark.slow
+def test_the_quickstart_beside_a_cpu_burner_names_contention_and_claims_no_super_scaling(
+    tmp_path: Path,
+) -> None:
+    """The built-in quickstart with a burner on every core until six runs are recorded (of the
+    world-size-1 job): the report's headline says how many runs were contended and what that
+    makes of the sweep, and no scaling efficiency above 150% is given as a result (contended
+    runs are not baselines; one still above is noted and not drawn). Before, a slowed
+    world-size-1 pass made "2051% scaling"."""
+    from fsdp_bench.report import headline, summaries
+    from fsdp_bench.report.build import load_inputs
+
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(os.cpu_count() or 1)]
+    runs = tmp_path / "qs" / "runs"
+
+    def stop_after_six_runs() -> None:
+        while len(list(runs.glob("*.json"))) < 6 and burners[0].poll() is None:
+            time.sleep(0.2)
+        for burner in burners:
+            burner.kill()
+
+    threading.Thread(target=stop_after_six_runs, daemon=True).start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "fsdp_bench", "sweep", "--results",
+                               str(tmp_path / "qs")], capture_output=True, text=True,
+                              timeout=900, check=False)  # fmt: skip
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    df = load_results(tmp_path / "qs")
+    assert df["contended"].eq(True).any(), "the burner marked no run"
+    scaling = summaries.scaling_efficiency(df)
+    assert (scaling[scaling["note"].eq("")]["efficiency"] <= summaries.SUSPECT_EFFICIENCY).all()
+    inputs = load_inputs(tmp_path / "qs", None, None, None)
+    best = summaries.best_per_world_size(inputs.df, inputs.limit_gib)
+    text = headline.headline_text(inputs.df, best, inputs.limit_gib)
+    assert text.startswith("Contended: ") and "--rerun-contended" in text

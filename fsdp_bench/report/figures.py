@@ -132,6 +132,7 @@ def scaling(df: pd.DataFrame, canvas: Canvas) -> Figure:
     configuration, against world size."""
     name, title = "scaling", "scaling efficiency vs world size"
     table = summaries.scaling_efficiency(df)
+    table = table[table["note"].eq("")]  # a slowed baseline's figure is not drawn
     if table.empty:
         seen = ok_runs(df)["world_size"].nunique()
         return not_drawn(name, title, f"ok runs at {seen} world size(s); scaling needs two or more")

@@ -25,7 +25,8 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame, limit_gib: float | None 
     columns = varying(df, config_columns(df, SCALE_COLUMNS))
     good = df[summaries.fits(df, limit_gib)].drop_duplicates("run_id")
     by_id = df.drop_duplicates("run_id").set_index("run_id")
-    lines = []
+    lines = _machine_lines(by_id)
+    contended = by_id.get("contended", pd.Series(dtype=object)).eq(True)
     for _, row in best.iterrows():
         size = int(row["world_size"])
         if not isinstance(row["run_id"], str):
@@ -45,11 +46,44 @@ def headline_text(df: pd.DataFrame, best: pd.DataFrame, limit_gib: float | None 
             lines += _fastest_fsdp2_line(good, run, ids, columns)
         competing = int(good["world_size"].eq(size).sum())
         if competing >= 3 and len(ids) + 1 > competing / 2:
+            busy = int(contended.reindex(good[good["world_size"].eq(size)]["run_id"]).sum())
+            cure = (
+                f"{busy} of them were contended: measure them again on a quiet machine "
+                "(--rerun-contended)"
+                if busy
+                else "more passes or timed steps (measure.rounds, measure.timed_steps) would "
+                "separate them"
+            )
             lines.append(
                 f"No clear winner: {len(ids) + 1} of {competing} runs cannot be told apart "
-                "from the best; more passes (measure.rounds) would separate them."
+                f"from the best; {cure}."
             )
     return "\n".join(lines)
+
+
+def _machine_lines(by_id: pd.DataFrame) -> list[str]:
+    """What the machine did, before any verdict: runs measured while something else competed
+    (and what that makes of the sweep), runs whose passes disagreed."""
+    lines = []
+    ok = by_id[by_id["status"].eq("ok")]
+    busy = int(ok["contended"].eq(True).sum()) if "contended" in ok else 0
+    if busy:
+        if busy == len(ok):
+            verdict = "this sweep is a smoke test, not a ranking"
+        else:
+            verdict = "their figures say how busy the machine was, and rank low"
+        lines.append(
+            f"Contended: {busy} of {len(ok)} runs were measured while something else used the "
+            f"machine; {verdict}. Measure them again on a quiet machine: fsdp-bench sweep "
+            "GRID --rerun-contended."
+        )
+    unstable = int(by_id["status"].eq("unstable").sum())
+    if unstable:
+        lines.append(
+            f"Unstable: {unstable} runs' passes disagreed twice beyond the machine's noise; they "
+            "are left out of every comparison (see Runs by status)."
+        )
+    return lines
 
 
 def launch_table(

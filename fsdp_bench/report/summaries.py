@@ -203,14 +203,24 @@ def _ratio_interval(matched: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+SUSPECT_EFFICIENCY = 1.5
+"""Scaling efficiency beyond which a figure is a symptom, not a result."""
+
+
 def scaling_efficiency(df: pd.DataFrame) -> pd.DataFrame:
     """tokens/s per rank at each world size relative to the smallest world size in the table,
-    for every configuration that ran ok at that smallest size and at least one other.
+    for every configuration that ran ok, uncontended, at that smallest size and at least one
+    other.
 
     Efficiency 1.0 is linear scaling; 0.5 means each rank does half the work it did alone.
+    Above SUSPECT_EFFICIENCY no FSDP run scales: the smaller run was slowed by something
+    (the note says so). Contended runs are left out: their speed is the machine's.
     """
-    columns = ["config", "world_size", "tokens_per_s", "tokens_per_s_per_rank", "efficiency"]
+    columns = ["config", "world_size", "tokens_per_s", "tokens_per_s_per_rank", "efficiency",
+               "note"]  # fmt: skip
     ok = ok_runs(df)
+    if "contended" in ok:
+        ok = ok[ok["contended"].ne(True)]
     if ok.empty or ok["world_size"].nunique() < 2:
         return pd.DataFrame(columns=columns)
     identity = config_columns(ok, exclude=SCALE_COLUMNS)
@@ -230,6 +240,12 @@ def scaling_efficiency(df: pd.DataFrame) -> pd.DataFrame:
     keep = [k for k in base.index if counts[k] > 1]
     per = per[per["_k"].isin(keep)].copy()
     per["efficiency"] = per["tokens_per_s_per_rank"] / per["_k"].map(base)
+    per["note"] = [
+        f"above {SUSPECT_EFFICIENCY:.0%}: the smaller run was slowed, not this one sped up"
+        if e > SUSPECT_EFFICIENCY
+        else ""
+        for e in per["efficiency"]
+    ]
     per["world_size"] = per["world_size"].astype(int)
     per = per.sort_values(["config", "world_size"]).reset_index(drop=True)
     return per[columns]

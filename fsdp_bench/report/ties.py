@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from fsdp_bench.stats import (
+    MIN_PASS_DF,
     Estimate,
     PassNoise,
     indistinguishable,
@@ -57,14 +58,29 @@ def marks(df: pd.DataFrame) -> pd.Series:
     return pd.Series(tie_marks(found), index=df.index, dtype=object)
 
 
+def _why_no_noise(df: pd.DataFrame) -> str:
+    """The true reason no between-pass noise could be pooled."""
+    passed = [e for _, row in df.iterrows() if (e := estimate(row)) and len(e.pass_values) >= 2]
+    if not passed:
+        return "no run finished ok with 2 passes or more (measure.rounds)"
+    quiet = [e for e in passed if not e.contended]
+    if not quiet:
+        return (
+            f"all {len(passed)} runs with 2 passes or more were contended, and a contended "
+            "run's passes say how busy the machine was (rerun them with --rerun-contended)"
+        )
+    return (
+        f"{len(quiet)} uncontended runs with 2 passes or more give fewer than {MIN_PASS_DF} "
+        "degrees of freedom"
+    )
+
+
 def noise_text(df: pd.DataFrame) -> str:
     """One line on the between-pass noise the ties allow for, or why there is none."""
     found = noise(df)
     if found is None:
-        return (
-            "not measured (it needs 4 passes beyond each run's first, over all runs: "
-            "measure.rounds 2 or more); ties allow only for the noise between one run's steps"
-        )
+        why = _why_no_noise(df)
+        return f"not measured: {why}; ties allow only for the noise between one run's steps"
     contended = int(df["contended"].eq(True).sum()) if "contended" in df else 0
     left_out = f", {contended} contended runs left out" if contended else ""
     return (
