@@ -95,3 +95,44 @@ def test_slurm_gpu_requests_are_checked() -> None:
     assert LauncherConfig(kind="slurm", gpus_per_node=8).job_device == "cuda"
     assert LauncherConfig(kind="slurm").job_device == "cpu"  # auto, and no GPUs requested
     assert LauncherConfig().job_device == "auto"  # local ranks decide by what they see
+
+
+def test_relative_paths_are_the_grids_own_from_any_working_folder(tmp_path: Path) -> None:
+    """`hf:config.json` and `cluster: mycluster.yaml` beside the grid: `fsdp-bench estimate`
+    from another folder finds both (the hf: path was taken from the working folder, the
+    profile from the grid's); the launch file `--print-launch` writes names the model by its
+    absolute path and carries the profile's settings, not its relative name; a profile that
+    is not there lists the cluster profiles only, not the launch files."""
+    from transformers import LlamaConfig
+
+    project = tmp_path / "project"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                max_position_embeddings=256).save_pretrained(project)  # fmt: skip
+    (project / "mycluster.yaml").write_text("partition: gpu\ncpus_per_task: 2\n")
+    grid = {"name": "relative", "base": {"model": {"name": "hf:config.json"},
+            "data": {"seq_len": 32}}, "axes": {"world_size": [1, 2]},
+            "launcher": {"cluster": "mycluster.yaml"}}  # fmt: skip
+    path = write_grid(project, grid)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = [sys.executable, "-m", "fsdp_bench", "estimate", str(path), "--json",
+               "--results", str(tmp_path / "results")]  # fmt: skip
+    done = subprocess.run(command, cwd=elsewhere, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    spec = load_grid(path)
+    assert spec.launcher.partition == "gpu"
+    run = expand(spec).runs[0]
+    assert run.model.name == f"hf:{project / 'config.json'}"
+    from fsdp_bench.cli.launch_lines import write_run_grid
+
+    launch = load_grid(write_run_grid(spec, run, tmp_path / "results"))
+    assert expand(launch).runs[0].run_id == run.run_id
+    assert launch.launcher.partition == "gpu" and launch.launcher.cluster is None
+    missing = {**grid, "launcher": {"cluster": "nosuch"}}
+    with pytest.raises(ConfigError) as found:
+        load_grid(write_grid(tmp_path / "results" / "launch", missing))
+    assert "available: example-h100, testbed" in str(found.value) or "available: none" in str(
+        found.value
+    )
+    assert run.run_id not in str(found.value)  # launch files are not profiles

@@ -71,15 +71,20 @@ def test_torchrun_measures_exactly_the_runs_of_its_world_size(tmp_path: Path) ->
 
 
 def check_printed_launch_line(path: Path, results: Path, run_id: str) -> None:
-    """`sweep --print-launch`'s torchrun line, run as printed, measures the same configuration."""
+    """`sweep --print-launch`'s torchrun line, run as printed from another folder, measures the
+    same configuration; the sbatch script names this environment's interpreter and, for a
+    local grid, no Slurm time limit (it had said --time=600, 10 hours, from timeout_min)."""
     shown = subprocess.run([sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results",
                             str(results), "--print-launch", run_id], cwd=REPO,
                            capture_output=True, text=True, check=True)  # fmt: skip
     line = next(line.strip() for line in shown.stdout.splitlines() if "torchrun " in line)
     argv = shlex.split(line)
-    assert argv[0] == "torchrun" and "#SBATCH --ntasks-per-node=2" in shown.stdout
-    argv[0] = str(Path(sys.executable).parent / "torchrun")  # the one this environment installed
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert argv[0] == str(Path(sys.executable).parent / "torchrun")  # this environment's
+    assert "#SBATCH --ntasks-per-node=2" in shown.stdout and "--time" not in shown.stdout
+    assert f"srun {shlex.quote(sys.executable)} -m fsdp_bench run" in shown.stdout
+    elsewhere = results.parent / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    done = subprocess.run(argv, cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
     def config(folder: Path) -> Any:
