@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from fsdp_bench.launch.driver import pack_runs
 from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.launch.local import interruptible_children
 from fsdp_bench.launch.verdicts import Verdict, classify_failure, explain_from_logs
+from tests.conftest import tiny_grid, write_grid
 
 
 def note(rank: int, klass: str, message: str = "boom") -> dict[str, object]:
@@ -120,3 +123,49 @@ def test_local_jobs_can_be_cancelled_when_the_driver_ignores_sigint() -> None:
         signal.signal(signal.SIGINT, previous)
     assert ignored.strip() == "False"  # inherited: ignored
     assert started.strip() == "True"  # Python's own handler: SIGINT interrupts
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_says_one_line_and_exits_130(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the driver, its estimate workers and the local job's
+    controller (one process group): the driver's one line, exit 130, no traceback. Before,
+    four tracebacks (about 50 lines) came first, from the workers and the controller."""
+    grid = tiny_grid("ctrl-c", {"data.seed": [0, 1, 2, 3]}, world_size=1,
+                     measure={"warmup_steps": 1, "timed_steps": 20, "repeats": 3})  # fmt: skip
+    path = write_grid(tmp_path, grid)
+    results = tmp_path / "results"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_bench", "sweep", str(path), "--results", str(results)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((results / "runs").glob("*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "interrupted; every finished run is recorded" in stderr
+    assert list((results / "runs").glob("*.json"))
+
+
+def test_a_search_on_a_slurm_grid_without_slurm_says_one_line_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    grid = tiny_grid("off-cluster", {"fsdp.grouping": ["root", "block"]})
+    grid["launcher"] = {"kind": "slurm"}
+    grid["search"] = {"trials": 2}
+    path = write_grid(tmp_path, grid)
+    no_slurm = tmp_path / "bin"
+    no_slurm.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_bench", "search", str(path), "--results",
+         str(tmp_path / "results")], capture_output=True, text=True,
+        env={**os.environ, "PATH": str(no_slurm)}, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "fsdp-bench: error: launcher.kind slurm: cannot run sbatch ([Errno 2] No such file or "
+        "directory: 'sbatch')"
+    ]
+    assert not (tmp_path / "results" / "study.journal").exists()

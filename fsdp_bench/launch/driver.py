@@ -109,8 +109,8 @@ class Driver:
             self._follow(launcher, watched, packs, supply)
         except KeyboardInterrupt:
             if launcher.kind == "local":
+                _stop_local_jobs([item.job for item in watched])
                 for item in watched:
-                    item.job.cancel()
                     self.ledger.close(item.job.job_id)
             raise
 
@@ -345,6 +345,24 @@ class Driver:
         result = unmeasured_record(run, status, reason, provenance, self.estimates.get(run.run_id))
         self.store.record(result)
         self.announce(result)
+
+
+def _stop_local_jobs(jobs: list[SubmittedJob], grace_s: float = 5.0) -> None:
+    """After a Ctrl-C: a terminal's reached the local jobs' controllers too, and each is
+    killing its ranks; a second SIGINT then would interrupt that and print its traceback.
+    Jobs still alive after `grace_s` (the Ctrl-C was this process's alone) are cancelled."""
+    deadline = time.monotonic() + grace_s
+    alive = [job for job in jobs if _alive(job)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [job for job in alive if _alive(job)]
+    for job in alive:
+        job.cancel()
+
+
+def _alive(job: SubmittedJob) -> bool:
+    check = getattr(job, "alive", None)
+    return bool(check()) if check is not None else False
 
 
 class RanksInterrupted(KeyboardInterrupt):

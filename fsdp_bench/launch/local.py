@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class LocalLauncher:
         )
         from fsdp_bench.job.worker import run_job  # torch: only where a job is submitted
 
-        with interruptible_children():
+        with interruptible_children(), _output_to(self.folder / "controllers.log"):
             handle = executor.submit(run_job, spec)
         return LocalJob(job_id=str(handle.job_id), folder=self.folder, handle=handle)
 
@@ -136,6 +137,26 @@ def interruptible_children() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Processes started inside write their stdout and stderr to `path`: submitit's local
+    controller says nothing a user needs on the terminal, and when a Ctrl-C (or a cancel)
+    interrupts it, it prints a traceback there, past the sweep's own one line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _controller_running(pid: int, folder: Path) -> bool:

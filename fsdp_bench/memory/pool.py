@@ -20,6 +20,7 @@ import atexit
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -82,6 +83,7 @@ def _worker_started() -> None:
     workers to stop, and each would wait on its queue for ever (it holds the queue's write
     end too, so no end of file ever comes)."""
     atexit.register(_exit_now)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to act on
     parent = multiprocessing.parent_process()
     if parent is not None:
         sentinel = parent.sentinel

@@ -102,8 +102,11 @@ def run_search(
     )
     store = ResultStore(results_dir_for(spec, options.results_dir))
     launcher = launcher or make_launcher(spec.launcher, store.jobs_dir)
+    first = model_runs(spec)
+    for run in first[:1]:  # no scheduler here: one line, before the study is written
+        launcher.check(run.world_size, run.nodes)
     wait_for_earlier_jobs(spec, store, launcher)  # a job a killed driver left still timing
-    check_models(model_runs(spec))  # a broken model stops here: nothing launched, nothing written
+    check_models(first)  # a broken model stops here: nothing launched, nothing written
     store.save_grid(spec.source)
     study = open_study(spec, store, options.storage)
     # what `report` applies, command-line overrides included (grid.yaml has the file's)
