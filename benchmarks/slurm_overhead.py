@@ -21,8 +21,9 @@ from pathlib import Path
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import expand, load_grid, parse_grid
 from fsdp_bench.launch import make_launcher
-from fsdp_bench.launch.driver import Driver, pack_runs
+from fsdp_bench.launch.driver import Driver
 from fsdp_bench.launch.ledger import Ledger
+from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import SweepOptions, run_sweep
 

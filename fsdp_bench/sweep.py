@@ -18,8 +18,9 @@ from typing import Any
 from fsdp_bench.config.grid import SweepSpec, expand
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.launch import ALIVE_STATES, Launcher, LocalLauncher, make_launcher
-from fsdp_bench.launch.driver import Driver, Watched, age_s, pack_runs
+from fsdp_bench.launch.driver import Driver, Watched, age_s
 from fsdp_bench.launch.ledger import Ledger
+from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
@@ -92,7 +93,8 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     estimates = _estimate(todo, store, target_device(spec.launcher), options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
-    bar = progress_bar(spec.name, len(todo) + len(busy)) if options.progress else None
+    passes = max((run.measure.rounds for run in todo), default=1)
+    bar = progress_bar(spec.name, len(todo) + len(busy), passes) if options.progress else None
     driver = Driver(store, ledger, spec, options.verify)
     pruner = Pruner(spec, store, driver, estimates, todo, prune=options.prune)
     driver.on_record = _updater(bar, pruner.on_record)
@@ -226,13 +228,23 @@ def sweep_status(spec: SweepSpec, results_dir: Path | None) -> list[RunState]:
     return out
 
 
-def progress_bar(name: str, total: int) -> Any:
-    """A tqdm bar of `total` runs (None for none); tqdm imported only when one is shown."""
+def progress_bar(name: str, total: int, passes: int = 1) -> Any:
+    """A tqdm bar of `total` runs (None for none); tqdm imported only when one is shown.
+    With `passes` > 1 (measure.rounds) a run is recorded after its last pass, so records
+    come late and then fast: no rate or time left is shown, which would be wrong either way
+    (a 4-minute sweep of 2 rounds showed 48 minutes left)."""
     if not total:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="run", desc=name, dynamic_ncols=True)
+    timeless = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    return tqdm(
+        total=total,
+        unit="run",
+        desc=name if passes < 2 else f"{name} ({passes} passes: runs recorded after the last)",
+        dynamic_ncols=True,
+        bar_format=None if passes < 2 else timeless,
+    )
 
 
 def _updater(bar: Any, then: Callable[[RunResult], None]) -> Callable[[RunResult], None]:

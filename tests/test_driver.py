@@ -13,9 +13,9 @@ import pytest
 
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
-from fsdp_bench.launch.driver import pack_runs
 from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.launch.local import interruptible_children
+from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.launch.verdicts import Verdict, classify_failure, explain_from_logs
 from tests.conftest import tiny_grid, write_grid
 

@@ -372,10 +372,12 @@ def test_dry_run_lists_runs_without_running(tmp_path: Path) -> None:
         check=True,
     )
     lines = done.stdout.strip().splitlines()
-    assert lines[0].split() == ["run_id", "grouping", "reshard_after_forward", "recorded"]
+    header = ["run_id", "grouping", "reshard_after_forward", "nodes", "job", "recorded"]
+    assert lines[0].split() == header
     assert len(lines) == 1 + 4 + 1
-    assert lines[1].split()[1:] == ["root", "true", "no"]
-    assert lines[-1].startswith("4 runs in 1 jobs")
+    assert lines[1].split()[1:] == ["root", "true", "1", "1", "no"]
+    assert lines[-1] == ("4 runs in 1 jobs (0 excluded, 0 equal to another run): 1 job of 4 runs "
+                         "at world size 1 on 1 node; 1 job in flight at once")  # fmt: skip
     assert not (tmp_path / "r").exists()
 
 

@@ -260,6 +260,7 @@ def _sweep(args: argparse.Namespace) -> int:
     best = _print_ranking(outcome.results_dir, outcome.run_ids)
     if best is not None:
         print(views.describe_launch(spec, best, outcome.results_dir))
+    print(f"figures and a summary: fsdp-bench report {outcome.results_dir}")
     return 0
 
 
@@ -318,6 +319,7 @@ def _search(args: argparse.Namespace) -> int:
     )
     outcome = run_search(spec, options)
     print(views.describe_search(outcome, spec))
+    print(f"figures and a summary: fsdp-bench report {outcome.results_dir}")
     return 0
 
 

@@ -14,7 +14,7 @@ from fsdp_bench.config.grid import SweepSpec, axis_keys, expand, get_path
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import ConfigError, yaml_scalar
-from fsdp_bench.launch.driver import pack_runs
+from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
@@ -42,19 +42,31 @@ def describe_expansion(spec: SweepSpec, results: Path | None) -> str:
     check_models(expansion.runs)  # a dry run shows a broken model as a real run would
     done = ResultStore(results_dir_for(spec, results)).done_ids()
     keys = axis_keys(spec)
+    packs = pack_runs(expansion.runs, spec.launcher)
+    job_of = {run.run_id: index for index, pack in enumerate(packs, 1) for run in pack}
     rows = [
         [
             run.run_id,
             *(yaml_scalar(get_path(run, k)) for k in keys),
+            str(run.nodes),
+            str(job_of[run.run_id]),
             "yes" if run.run_id in done else "no",
         ]
         for run in expansion.runs
     ]
-    jobs = len(pack_runs(expansion.runs, spec.launcher))
+    shapes = Counter((len(p), p[0].world_size, p[0].nodes) for p in packs)
+    packing = "; ".join(
+        f"{count} job{'s' if count > 1 else ''} of {runs} run{'s' if runs > 1 else ''} at "
+        f"world size {size} on {nodes} node{'s' if nodes > 1 else ''}"
+        for (runs, size, nodes), count in sorted(shapes.items(), key=lambda kv: kv[0][1:])
+    )
+    header = ["run_id", *(k.split(".")[-1] for k in keys), "nodes", "job", "recorded"]
     return (
-        text_table(["run_id", *(k.split(".")[-1] for k in keys), "recorded"], rows)
-        + f"\n{len(expansion.runs)} runs in {jobs} jobs ({expansion.excluded} excluded, "
-        f"{expansion.collapsed} equal to another run)"
+        text_table(header, rows)
+        + f"\n{len(expansion.runs)} runs in {len(packs)} jobs ({expansion.excluded} excluded, "
+        f"{expansion.collapsed} equal to another run): {packing}; "
+        f"{spec.launcher.jobs_in_flight} job{'s' if spec.launcher.jobs_in_flight > 1 else ''} "
+        "in flight at once"
     )
 
 
@@ -93,7 +105,7 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
             [
                 run.run_id,
                 *(yaml_scalar(get_path(run, k)) for k in keys),
-                _gib(e.analytic_peak_gib),
+                "n/a" if run.model.is_user_model else _gib(e.analytic_peak_gib),
                 _gib(e.estimated_peak_gib),
                 *(_ranged(p, name) for name in ("allocated", "reserved", "device_used")),
                 verdicts[run.run_id],
@@ -174,6 +186,8 @@ def _estimate_footer(
             f"GiB per rank, for {device_type} (no caching allocator: device-used is the tensors"
             f"{' + ' + '; '.join(sources) if sources else ''}). "
         )
+    if any(run.model.is_user_model for run in runs):
+        said += "analytic: n/a for hf: and your own models (its formulas need a preset's shape). "
     return said + (
         f"Budget {budget.budget_gib:g} GiB on device-used, margin {budget.margin_gib:g} GiB: "
         "fits yes when the interval's high end is within it, no when its low end is over"
@@ -262,10 +276,13 @@ def _reproduce_lines(spec: SweepSpec, run: RunConfig, name: str, results: Path) 
         found = check_models([run])[run.run_id].blocks_path
         blocks = f"model.{found}" if found else blocks
         note = "" if found else " (model.layers: your model's list of blocks, in forward order)"
+    base = non_default_fields(run)
+    base["model"] = {"name": run.model.name, **base.get("model", {})}  # named, even the default
+    base = {"model": base.pop("model"), **base}
     return [
         "",
         f"{name} as a grid base (YAML):",
-        _indent(yaml.safe_dump(non_default_fields(run), sort_keys=False)),
+        _indent(yaml.safe_dump(base, sort_keys=False)),
         f"in your training script (Python){note}:",
         _indent(fully_shard_code(run, blocks=blocks)),
         *launch_lines(spec, run, results),

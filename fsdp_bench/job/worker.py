@@ -271,7 +271,7 @@ def execute_run(run: RunConfig, context: JobContext, first_pass: bool = True) ->
     In a run's first pass only (`measure.rounds`): the checkpoint's cost last and then, once
     the run is released, the parity check (`--verify`), so that nothing the check leaves
     enters the run's figures (DDP's reducer leaves its buckets allocated on CUDA:
-    `launch.driver.pack_runs`) and the check has the device to itself."""
+    `launch.packing.pack_runs`) and the check has the device to itself."""
     set_fp32_matmul(run, context.device)  # the parity check must run as the run does
     set_allocator(run, context.device)
     mesh = context.mesh(run)

@@ -8,9 +8,10 @@ from pathlib import Path
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
-from fsdp_bench.launch.driver import Driver, Watched, pack_runs
+from fsdp_bench.launch.driver import Driver, Watched
 from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.launch.local import LocalLauncher
+from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.launch.slurm import SlurmLauncher
 
 __all__ = [

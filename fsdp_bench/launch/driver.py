@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_bench.config.grid import SweepSpec
-from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.spec import JobSpec
 from fsdp_bench.launch.base import ALIVE_STATES, Launcher, SubmittedJob
 from fsdp_bench.launch.ledger import Ledger
+from fsdp_bench.launch.packing import job_shape, pack_runs
 from fsdp_bench.launch.stability import REMEASURES, disagreement, folder_noise
 from fsdp_bench.launch.verdicts import (
     REQUEUED_STATUSES,
@@ -34,7 +34,6 @@ from fsdp_bench.launch.verdicts import (
     read_notes,
     unmeasured_record,
 )
-from fsdp_bench.memory.estimate import target_device
 from fsdp_bench.memory.model_check import run_flops
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
 
@@ -179,9 +178,9 @@ class Driver:
         while packs and len(watched) < launcher.max_jobs_in_flight:
             free = launcher.max_jobs_in_flight - len(watched)
             batch = [packs.pop(0)]
-            shape = _shape(batch[0])
+            shape = job_shape(batch[0])
             while packs and len(batch) < min(free, launcher.max_array_size):
-                if _shape(packs[0]) != shape:
+                if job_shape(packs[0]) != shape:
                     break
                 batch.append(packs.pop(0))
             for runs in batch:  # notes of an interrupted earlier attempt must not count
@@ -378,31 +377,3 @@ def age_s(path: Path) -> float | None:
         return time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return None
-
-
-def pack_runs(runs: list[RunConfig], launcher: LauncherConfig) -> list[list[RunConfig]]:
-    """Runs of one shape (world size, nodes) share jobs, in first-appearance order.
-
-    With launcher.max_runs_per_job unset, each shape's runs are spread evenly over the jobs
-    that may be in flight: locally (one job at a time) all of them share one job.
-
-    On CUDA each DDP run has a job of its own: its reducer's buckets stay allocated after the
-    run is released (seen on an H200 with torch 2.11: 14.26 MiB after a DDP run of `small`,
-    its fp32 parameters' size, allocated by the reducer's bucket rebuild; not on CPU), and a
-    later run of the job would begin with them and count them in its peak."""
-    alone = target_device(launcher) == "cuda"
-    by_shape: dict[tuple[int, int], list[RunConfig]] = {}
-    packs = []
-    for run in runs:
-        if alone and run.strategy == "ddp":
-            packs.append([run])
-        else:
-            by_shape.setdefault(_shape([run]), []).append(run)
-    for same in by_shape.values():
-        size = launcher.max_runs_per_job or -(-len(same) // launcher.jobs_in_flight)
-        packs += [same[i : i + size] for i in range(0, len(same), size)]
-    return packs
-
-
-def _shape(runs: list[RunConfig]) -> tuple[int, int]:
-    return runs[0].world_size, runs[0].nodes

@@ -197,7 +197,7 @@ def confirm(
         for t in trials
     }
     rounds = settings.confirm_rounds
-    bar = progress_bar(f"confirm ({rounds} rounds)", len(todo)) if progress else None
+    bar = progress_bar("confirm", len(todo), rounds) if progress else None
     on_record = (lambda _: bar.update(1)) if bar is not None else None
     driver = Driver(store, ledger, spec, verify=False, on_record=on_record, estimates=peaks)
     error = ""
