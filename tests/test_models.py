@@ -181,3 +181,7 @@ def test_a_users_model_module_is_found_beside_the_grid_from_any_folder(tmp_path:
                           cwd=elsewhere, env=env, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "cannot import" not in done.stdout + done.stderr
+    header, row = done.stdout.splitlines()[:2]
+    analytic = header.split().index("analytic")
+    assert row.split()[analytic] == "n/a"  # the formulas need a preset's shape, and say so
+    assert "analytic: n/a for hf: and your own models" in done.stdout

@@ -20,6 +20,10 @@ def test_quickstart_end_to_end(
     results, first = quickstart_sweep
     command = first.args
     assert "31/31" in first.stderr, "the progress bar reached the end"
+    # two rounds: records land after the last pass, so the bar shows no rate or time left
+    assert "(2 passes: runs recorded after the last)" in first.stderr
+    assert "run/s" not in first.stderr and "s/run" not in first.stderr
+    assert first.stdout.splitlines()[-1] == f"figures and a summary: fsdp-bench report {results}"
     table = first.stdout.splitlines()
     header = table[1].split()
     assert header[:3] == ["run_id", "world_size", "strategy"] and "tokens/s" in header

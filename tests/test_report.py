@@ -25,7 +25,7 @@ from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import configs, estimates, failures, figure_data, summaries, tables, ties
 from fsdp_bench.report.build import build_report, load
-from fsdp_bench.report.compare import compare_results
+from fsdp_bench.report.compare import compare_results, comparison_summary
 from fsdp_bench.report.figure_data import MIB
 from fsdp_bench.report.figures import FIGURES
 from fsdp_bench.report.html import Document, Section
@@ -178,14 +178,46 @@ def test_compare_matches_configurations_and_divides_b_by_a(
     other = ResultStore(tmp_path / "other")
     _record(other, 2, "block", "ok", 3600.0, 3.0)
     _record(other, 2, "root", "oom")
+    _record(other, 1, "block", "ok", 1010.0, 7.0)
+    _record(other, 1, "root", "ok", 9000.0, 14.0)
     _record(other, 8, "block", "ok", 100.0, 1.0)  # only in B
+    with_intervals = {(1, "block"): (990.0, 1030.0), (1, "root"): (8000.0, 9900.0)}
+    for path in (other.root / "runs").glob("*.json"):
+        record = json.loads(path.read_text())
+        shape = (record["config"]["world_size"], record["config"]["fsdp"]["grouping"])
+        low, high = with_intervals.get(shape, (None, None))
+        contended = shape == (1, "root")  # a 7.5x ratio from a run measured beside another
+        given = {"tokens_per_s_ci_low": low, "tokens_per_s_ci_high": high, "contended": contended}
+        path.write_text(json.dumps({**record, **given}))
+    for path in (root / "runs").glob("*.json"):
+        record = json.loads(path.read_text())
+        if record["tokens_per_s"]:
+            tokens = record["tokens_per_s"]
+            path.write_text(json.dumps({**record, "tokens_per_s_ci_low": 0.98 * tokens,
+                                        "tokens_per_s_ci_high": 1.02 * tokens}))  # fmt: skip
     table = compare_results(load_results(root), load_results(other.root))
     by_a = table.set_index("run_id_a")
     block = by_a.loc[ids["w2_block"]]
     assert block["tokens_per_s_ratio"] == 2.0 and block["peak_memory_ratio"] == 0.5
+    assert block["differs_from_1"] == "unknown" and block["note"] == ""  # B has no interval
     assert by_a.loc[ids["w2_root"], "status_b"] == "oom"
     assert math.isnan(by_a.loc[ids["w2_root"], "tokens_per_s_ratio"])
     assert len(table) == 11 and table["run_id_a"].isna().sum() == 1
+    # [B low / A high, B high / A low]: 990/1020 to 1030/980 holds 1
+    interval = by_a.loc[ids["w1_block"], "tokens_per_s_ratio_ci"]
+    assert interval == pytest.approx((990 / 1020, 1030 / 980))
+    assert by_a.loc[ids["w1_block"], "differs_from_1"] == "no"
+    assert by_a.loc[ids["w1_root"], "note"] == "contended in B"
+    assert by_a.loc[ids["w1_root"], "differs_from_1"] == "yes"
+
+    summary = comparison_summary(table, ("A", "B"))
+    assert summary.startswith("3 configurations ran ok in both; ratios are B ÷ A: median ")
+    assert "over 2 measured without contention on both sides" in summary  # the 7.5x left out
+    assert "1 contended on a side: shown, marked, left out of the medians" in summary
+    assert "In one folder only: 6 A, 1 B" in summary
+    people = tables.compare_table(table, ("A", "B"))
+    row = people[people["tokens/s A"] == "1,000"].iloc[0]  # formatted, not 1000.0
+    assert row["ratio interval"] == "0.97-1.05×" and row["differs from 1×"] == "no"
 
 
 def test_estimate_accuracy_puts_each_estimate_beside_its_measurement(tmp_path: Path) -> None:
@@ -540,14 +572,24 @@ def test_every_figure_for_the_quickstart_sweep(
 def test_compare_a_folder_with_itself(
     quickstart_results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    copy = tmp_path / "copy"
+    folder, copy = tmp_path / "quickstart", tmp_path / "copy"
+    shutil.copytree(quickstart_results / "runs", folder / "runs")
     shutil.copytree(quickstart_results / "runs", copy / "runs")
-    out = tmp_path / "out"
-    assert main(["report", str(quickstart_results), "--compare", str(copy), "--out", str(out)]) == 0
+    assert main(["report", str(folder)]) == 0
+    own = (folder / "report" / "report.html").read_text()
+    assert main(["report", str(folder), "--compare", str(copy)]) == 0
     printed = capsys.readouterr().out
+    out = folder / "report-vs-copy"  # the folder's own report is left as it was
+    assert (folder / "report" / "report.html").read_text() == own
     assert str(out / "comparison.png") in printed and "Best at world size 2" in printed
     assert matplotlib.image.imread(out / "comparison.png").shape[0] > 500
-    assert "31 configurations ran ok in both" in (out / "report.html").read_text()
+    said = next(line for line in printed.splitlines() if line.startswith("Compared with "))
+    ok = int(re.search(r": (\d+) configurations ran ok in both", said)[1])  # type: ignore[index]
+    quiet = re.search(r"over (\d+) measured without contention on both sides", said)
+    contended = re.search(r"(\d+) contended on a side", said)
+    assert ok >= 25 and sum(int(m[1]) for m in (quiet, contended) if m) == ok
+    assert quiet is None or "median 1.00× tokens/s and 1.00× peak memory" in said
+    assert f"{ok} configurations ran ok in both" in (out / "report.html").read_text()
 
 
 def test_search_figures_from_a_study_journal(

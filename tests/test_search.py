@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from fsdp_bench.cli.codegen import fully_shard_code
+from fsdp_bench.cli.main import main
 from fsdp_bench.cli.views import describe_search
 from fsdp_bench.config.grid import load_grid, run_for_point, search_space
 from fsdp_bench.config.model import ModelConfig
@@ -113,6 +115,8 @@ def check_confirmation(outcome: Any, spec: Any, folder: Path) -> None:
         assert r.config["measure"]["rounds"] == 2
     text = describe_search(outcome, spec)
     assert "confirmed best: " in text and "95% CI" in text
+    base = text.split("as a grid base (YAML):\n", 1)[1].splitlines()
+    assert base[:2] == ["    model:", "      name: tiny"], "pasted as a base, it runs this model"
     assert confirmation.winner is not None
     again = run_search(spec, SearchOptions(results_dir=folder / "r", progress=False))
     assert again.counts["launched"] == 0 and again.confirmation is not None
@@ -169,6 +173,30 @@ def _record(store: ResultStore, grouping: str, tokens: float, peak: float) -> Ru
     )  # fmt: skip
     store.record(result)
     return result
+
+
+def test_a_dry_run_shows_the_space_the_estimates_and_what_would_be_pruned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = {**GRID, "exclude": [{"fsdp.grouping": "linear", "fsdp.mixed_precision": "bf16"}]}
+    path, results = write_grid(tmp_path, grid), tmp_path / "r"
+    assert main(["search", str(path), "--dry-run", "--results", str(results)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(
+        "search search: 10 trials over 8 distinct runs (each key sampled from every value the "
+        "grid gives it: 3 x 2 x 2 = 12 points, 2 excluded or not valid, 2 equal to another)"
+    )
+    assert "  fsdp.grouping: root, block, linear" in out and out[4].startswith("then: no confirm")
+    verdicts = [m[1] for line in out if (m := re.search(r"\) +(yes|no|maybe) ", line))]
+    assert len(verdicts) == 8 and "yes" in verdicts  # root's default reshard is false
+    pruned = re.fullmatch(r"the search skips the (\d+) points .* among the other (\d+)", out[-2])
+    assert pruned is not None and int(pruned[1]) == verdicts.count("no") > 0
+    assert int(pruned[2]) == 8 - verdicts.count("no")
+    assert out[-1] == "nothing launched (a dry run)"
+    assert not (results / "study.journal").exists() and not list(results.glob("runs/*"))
+    assert main(["search", str(path), "--dry-run", "--no-prune", "--results", str(results)]) == 0
+    said = capsys.readouterr().out
+    assert "--no-prune: points predicted over the budget are launched too" in said
 
 
 @pytest.mark.slow

@@ -151,6 +151,11 @@ def _search_parser(
     search.add_argument("--no-prune", action="store_true", help="launch predicted OOMs too")
     search.add_argument("--verify", action="store_true", help="parity check before timing")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the space, every point's memory estimate and what would be pruned, and exit",
+    )
     search.set_defaults(handler=_search)
     return search
 
@@ -310,6 +315,9 @@ def _search(args: argparse.Namespace) -> int:
     if args.budget_gib is not None:
         memory = _replace_checked(spec.memory, {"budget_gib": args.budget_gib})
         spec = dataclasses.replace(spec, memory=memory)
+    if args.dry_run:
+        print(views.describe_search_plan(spec, args.results, prune=not args.no_prune))
+        return 0
     options = SearchOptions(
         results_dir=args.results,
         storage=args.storage,
@@ -344,6 +352,8 @@ def _report(args: argparse.Namespace) -> int:
         if figure.skipped:
             print(f"not drawn: {figure.title}: {figure.skipped}")
     print(outcome.headline)
+    if outcome.comparison:
+        print(f"Compared with {args.compare}: {outcome.comparison}")
     return 0
 
 

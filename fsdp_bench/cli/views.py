@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -10,13 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fsdp_bench.config.grid import SweepSpec, axis_keys, expand, get_path
+from fsdp_bench.config.grid import (
+    SweepSpec,
+    axis_keys,
+    expand,
+    get_path,
+    search_points,
+    search_space,
+)
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import build, non_default_fields
 from fsdp_bench.errors import ConfigError, yaml_scalar
 from fsdp_bench.launch.packing import pack_runs
 from fsdp_bench.memory.calibration import calibration
-from fsdp_bench.memory.estimate import estimate_runs, target_device
+from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
 from fsdp_bench.memory.prediction import Fits, Prediction, fits, predicted_oom
 from fsdp_bench.store import ResultStore
@@ -84,18 +92,21 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
     (yes / no / maybe, on device-used's interval)."""
     runs = expand(spec).runs
     check_models(runs)
-    store = ResultStore(results_dir_for(spec, results))
-    device_type = target_device(spec.launcher)
-    estimates = estimate_runs(runs, store.root / "estimates", device_type=device_type)
-    known = calibration(spec.memory, store)
-    predictions = {run.run_id: estimates[run.run_id].predict(known, run) for run in runs}
-    verdicts = {k: fits(p, spec.memory) for k, p in predictions.items()}
+    estimates, predictions = _predictions(spec, runs, results)
     if as_json:
-        shown = [
-            _estimate_json(estimates[r.run_id], predictions[r.run_id], verdicts[r.run_id], spec)
-            for r in runs
-        ]
+        shown = [_estimate_json(estimates[r.run_id], predictions[r.run_id], spec) for r in runs]
         return json.dumps(shown, indent=1)
+    return _estimate_text(spec, runs, estimates, predictions)
+
+
+def _estimate_text(
+    spec: SweepSpec,
+    runs: list[RunConfig],
+    estimates: dict[str, RunEstimate],
+    predictions: dict[str, Prediction],
+) -> str:
+    """The estimate table, how many runs fit, and what the figures are."""
+    verdicts = {k: fits(p, spec.memory) for k, p in predictions.items()}
     keys = axis_keys(spec)
     rows = []
     for run in runs:
@@ -118,17 +129,67 @@ def describe_estimates(spec: SweepSpec, results: Path | None, as_json: bool) -> 
         text_table(header, rows)
         + "\n"
         + _fit_counts(verdicts, spec)
-        + _estimate_footer(spec, device_type, runs, predictions)
+        + _estimate_footer(spec, target_device(spec.launcher), runs, predictions)
     )
 
 
-def _estimate_json(
-    estimate: Any, prediction: Prediction, verdict: str, spec: SweepSpec
-) -> dict[str, Any]:
+def _predictions(
+    spec: SweepSpec, runs: list[RunConfig], results: Path | None
+) -> tuple[dict[str, RunEstimate], dict[str, Prediction]]:
+    """Each run's estimate and its prediction, calibrated on the folder's records."""
+    store = ResultStore(results_dir_for(spec, results))
+    device_type = target_device(spec.launcher)
+    estimates = estimate_runs(runs, store.root / "estimates", device_type=device_type)
+    known = calibration(spec.memory, store)
+    return estimates, {run.run_id: estimates[run.run_id].predict(known, run) for run in runs}
+
+
+def describe_search_plan(spec: SweepSpec, results: Path | None, prune: bool) -> str:
+    """What `search` would do, launching nothing: its space, trials and sampler, every
+    point's memory estimate, and how many points it would skip as predicted over budget."""
+    from fsdp_bench.search.confirm import skip_reason  # optuna: only for a search
+
+    settings, points = spec.search, search_points(spec)
+    check_models(points.runs)
+    estimates, predictions = _predictions(spec, points.runs, results)
+    space = search_space(spec)
+    sizes = [len(values) for values in space.values()]
+    lines = [
+        f"search {spec.name}: {settings.trials} trials over {len(points.runs)} distinct runs "
+        f"(each key sampled from every value the grid gives it: {' x '.join(map(str, sizes))} "
+        f"= {math.prod(sizes)} points, {points.excluded} excluded or not valid, "
+        f"{points.collapsed} equal to another), "
+        f"sampler {settings.sampler}, seed {settings.seed if settings.seed is not None else 'none'}"
+        f", {settings.parallel} in flight, maximizing {settings.metric} -> "
+        f"{results_dir_for(spec, results)}",
+        *(f"  {key}: {', '.join(yaml_scalar(v) for v in values)}" for key, values in space.items()),
+        (
+            f"then: the best {settings.confirm_top_k} measured again in "
+            f"{settings.confirm_rounds} interleaved passes"
+        )
+        if not (why := skip_reason(settings))
+        else f"then: no confirmation round ({why})",
+        _estimate_text(spec, points.runs, estimates, predictions),
+    ]
+    if spec.memory.budget_gib is None:
+        lines.append("no budget: every point is a candidate (memory.budget_gib or --budget-gib)")
+    elif prune:
+        over = sum(1 for p in predictions.values() if predicted_oom(p, spec.memory))
+        lines.append(
+            f"the search skips the {over} points predicted over the budget without a run "
+            f"(told infeasible; --no-prune launches them) and samples among the other "
+            f"{len(points.runs) - over}"
+        )
+    else:
+        lines.append("--no-prune: points predicted over the budget are launched too")
+    return "\n".join(lines) + "\nnothing launched (a dry run)"
+
+
+def _estimate_json(estimate: Any, prediction: Prediction, spec: SweepSpec) -> dict[str, Any]:
     return {
         **asdict(estimate),
         **prediction.figures,
-        "fits": verdict,
+        "fits": fits(prediction, spec.memory),
         "half_width_pct": {
             name: round(interval.half_width_pct(figure), 2)
             for name in ("allocated", "reserved", "device_used")

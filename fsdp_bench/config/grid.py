@@ -292,6 +292,30 @@ def search_space(spec: SweepSpec) -> dict[str, tuple[Any, ...]]:
     return {key: tuple(values) for key, values in space.items()}
 
 
+def search_points(spec: SweepSpec) -> Expansion:
+    """The distinct runs of the search space's product (what a search can propose); points an
+    exclude rule drops or that are no valid run count as excluded, as a search fails them."""
+    space = search_space(spec)
+    total = math.prod(len(values) for values in space.values())
+    if total > spec.max_runs:
+        raise ConfigError(
+            f"{spec.source}: the search space has {total:,} points, more than --max-runs "
+            f"{spec.max_runs:,} to list"
+        )
+    runs: dict[str, RunConfig] = {}
+    excluded = 0
+    for values in itertools.product(*space.values()):
+        try:
+            run = run_for_point(spec, dict(zip(space, values, strict=True)))
+        except FieldError:
+            run = None
+        if run is None:
+            excluded += 1
+        else:
+            runs.setdefault(run.run_id, run)
+    return Expansion(list(runs.values()), excluded, total - excluded - len(runs))
+
+
 def model_runs(spec: SweepSpec) -> list[RunConfig]:
     """A run for each model and sequence length the search space can give, other keys at the
     base (what a search checks its models on before its first trial)."""

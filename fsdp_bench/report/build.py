@@ -59,6 +59,8 @@ class ReportOutcome:
     headline: str
     best: pd.DataFrame
     figures: list[Figure] = field(default_factory=list)
+    comparison: str = ""
+    """With --compare: what the comparison found (`compare.comparison_summary`)."""
 
 
 def read_grid(results_dir: Path) -> GridInfo:
@@ -154,10 +156,13 @@ def build_report(
     budget_gib: float | None = None,
     storage: str | None = None,
 ) -> ReportOutcome:
-    """Write the report folder (default `<results>/report`) and say what was written."""
+    """Write the report folder and say what was written: by default `<results>/report`, and
+    with `compare` `<results>/report-vs-<other folder's name>`, so the folder's own report
+    stays as it was."""
     inputs = load_inputs(results_dir, compare, budget_gib, storage)
     df = inputs.df
-    out = out or results_dir / "report"
+    default = "report" if compare is None else f"report-vs-{compare.resolve().name}"
+    out = out or results_dir / default
     _clear_figures(out)
     canvas = Canvas(out=out, subject=summaries.subject(df), svg=svg)
     best = summaries.best_per_world_size(df, inputs.limit_gib)
@@ -168,8 +173,9 @@ def build_report(
         section, figures = _search_section(inputs.study, canvas, inputs.grid.metric)
         sections.append(section)
         drawn += figures
+    comparison = ""
     if inputs.other is not None:
-        section = _comparison_section(inputs, canvas)
+        section, comparison = _comparison_section(inputs, canvas)
         sections.append(section)
         drawn += section.figures
     sections.append(
@@ -192,7 +198,7 @@ def build_report(
     write_atomic(html_path, html_report.render(doc))
     write_atomic(md_path, markdown_summary(doc, best, effects, scaling, drawn))
     files = [p for f in drawn for p in f.paths]
-    return ReportOutcome(out, [html_path, md_path, *files], doc.headline, best, drawn)
+    return ReportOutcome(out, [html_path, md_path, *files], doc.headline, best, drawn, comparison)
 
 
 def _measured_sections(
@@ -337,28 +343,25 @@ def _search_section(
     return html_report.Section("Search", text, figures=figures), figures
 
 
-def _comparison_section(inputs: Inputs, canvas: Canvas) -> html_report.Section:
-    """The same configurations in both folders: ratios B / A as a table and a figure."""
+def _comparison_section(inputs: Inputs, canvas: Canvas) -> tuple[html_report.Section, str]:
+    """The same configurations in both folders: ratios B / A as a table and a figure, and
+    what they found in a paragraph."""
     assert inputs.other is not None
     names = inputs.names
     table = comparing.compare_results(inputs.df, inputs.other)
     subject = f"{canvas.subject} | {summaries.subject(inputs.other)}"
     figure = figs.comparison(table, Canvas(canvas.out, subject, canvas.svg), names)
-    matched = int((table["tokens_per_s_ratio"].notna()).sum())
-    medians = (
-        f" (median {table['tokens_per_s_ratio'].median():.2f}× tokens/s, "
-        f"{table['peak_memory_ratio'].median():.2f}× peak memory)"
-        if matched
-        else ""
-    )
-    return html_report.Section(
+    summary = comparing.comparison_summary(table, names)
+    section = html_report.Section(
         f"Comparison: {names[0]} vs {names[1]}",
-        f"{matched} configurations ran ok in both; ratios are {names[1]} ÷ {names[0]}"
-        f"{medians}. A configuration in one folder only has an empty other side.",
+        summary + " A tokens/s ratio's interval runs from the low end of B's 95% interval over the "
+        "high end of A's to the high end of B's over the low end of A's; a configuration in "
+        "one folder only has an empty other side.",
         [("", report_tables.compare_table(table, names))],
         [figure],
         in_summary=True,
     )
+    return section, summary
 
 
 def provenance_table(inputs: Inputs) -> dict[str, str]:
