@@ -262,7 +262,7 @@ def _sweep(args: argparse.Namespace) -> int:
     outcome = run_sweep(spec, options)
     if outcome.already_recorded and not args.rerun:
         print(f"{outcome.already_recorded} runs were already recorded (--rerun runs them again)")
-    best = _print_ranking(outcome.results_dir, outcome.run_ids)
+    best = views.print_ranking(outcome.results_dir, outcome.run_ids)
     if best is not None:
         print(views.describe_launch(spec, best, outcome.results_dir))
     print(f"figures and a summary: fsdp-bench report {outcome.results_dir}")
@@ -270,6 +270,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fsdp_bench.cli import views
     from fsdp_bench.launch.in_place import InPlaceOptions, run_in_place
     from fsdp_bench.sweep import results_dir_for
 
@@ -277,15 +278,15 @@ def _run(args: argparse.Namespace) -> int:
     results = results_dir_for(spec, args.results)
     outcome = run_in_place(spec, InPlaceOptions(results, args.verify, tuple(args.only)))
     if outcome.rank == 0 and outcome.run_ids:
-        _print_ranking(results, outcome.run_ids)  # no launch lines: this is one already
+        views.print_ranking(results, outcome.run_ids)  # no launch lines: this is one already
     return 0
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from fsdp_bench.cli import views
+    from fsdp_bench.cli import estimate_views
 
     spec = _load_grid(args)
-    print(views.describe_estimates(spec, args.results, args.json))
+    print(estimate_views.describe_estimates(spec, args.results, args.json))
     return 0
 
 
@@ -304,7 +305,7 @@ SEARCH_FLAGS = (
 def _search(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from fsdp_bench.cli import views
+    from fsdp_bench.cli import estimate_views, views
     from fsdp_bench.search import SearchOptions, run_search
 
     spec = _read_grid(args.grid)
@@ -316,7 +317,7 @@ def _search(args: argparse.Namespace) -> int:
         memory = _replace_checked(spec.memory, {"budget_gib": args.budget_gib})
         spec = dataclasses.replace(spec, memory=memory)
     if args.dry_run:
-        print(views.describe_search_plan(spec, args.results, prune=not args.no_prune))
+        print(estimate_views.describe_search_plan(spec, args.results, prune=not args.no_prune))
         return 0
     options = SearchOptions(
         results_dir=args.results,
@@ -369,37 +370,6 @@ def _replace_checked(config: Any, changes: dict[str, Any]) -> Any:
     except FieldError as err:
         err.key = "--" + err.key.replace("_", "-")
         raise err.located("") from None
-
-
-def _print_ranking(results_dir: Path, run_ids: list[str]) -> str | None:
-    """The ranking of `run_ids` with its notes; the id of the run to give a launch line for,
-    the fastest FSDP2 configuration (`ties.verdict`; None: no run ok)."""
-    from fsdp_bench.report.failures import failure_reasons
-    from fsdp_bench.report.tables import format_ranking, ranking
-    from fsdp_bench.report.ties import noise_text, verdict
-    from fsdp_bench.store import load_results
-
-    df = load_results(results_dir)
-    table = ranking(df, run_ids)
-    print(format_ranking(table))
-    if "tie" in table:
-        print(f"between-pass noise: {noise_text(df[df['run_id'].isin(run_ids)])}")
-    failures = failure_reasons(df[df["run_id"].isin(run_ids)])
-    if len(failures):
-        count = int(failures["runs"].sum())
-        print(f"{count} run{'s' if count > 1 else ''} did not finish ok:")
-        for status, reason, runs in failures[["status", "reason", "runs"]].to_numpy().tolist():
-            print(f"  {status}, {runs} run{'s' if runs > 1 else ''}: {reason}")
-    contended = int(table["contended"].eq(True).sum()) if "contended" in table else 0
-    if contended:
-        print(
-            f"{contended} runs were measured while something else competed for the machine "
-            "(contended; see 'contention'); --rerun-contended measures them again"
-        )
-    lines, chosen = verdict(table, df)
-    for line in lines:
-        print(line)
-    return chosen
 
 
 if __name__ == "__main__":

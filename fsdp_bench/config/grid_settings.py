@@ -50,7 +50,8 @@ class SearchConfig:
     """A numeric results column to optimise (tokens_per_s, mfu, step_time_s, ...)."""
     direction: Literal["maximize", "minimize"] = "maximize"
     trials: int = 20
-    """Trials in the study (a rerun with more trials continues it)."""
+    """Runs the search launches (a rerun with more continues it); points answered without a
+    launch (predicted over budget, recorded already, excluded) do not count."""
     parallel: int = 1
     """Trials in flight at once on the launcher."""
     sampler: SamplerName = "tpe"

@@ -372,7 +372,6 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
         "grid file": str(grid.path.resolve()) if grid.path else "- (no grid.yaml)",
         "memory budget": f"{budget:g} GiB per rank" if budget is not None else "none",
         **summaries.provenance(inputs.df),
-        **_measured_again(inputs.df),
         "between-pass noise": ties.noise_text(inputs.df),
         "report written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -381,17 +380,6 @@ def provenance_table(inputs: Inputs) -> dict[str, str]:
         other = summaries.provenance(inputs.other)
         table.update({f"{k} ({inputs.names[1]})": v for k, v in other.items()})
     return table
-
-
-def _measured_again(df: pd.DataFrame) -> dict[str, str]:
-    count = int(df.attrs.get("measured_again", 0))
-    if not count:
-        return {}
-    what = "configuration was" if count == 1 else "configurations were"
-    return {
-        "measured again": f"{count} {what} measured again (a search's confirmation round, "
-        "other measurement settings): the record with the most timed steps stands for each"
-    }
 
 
 def _clear_figures(out: Path) -> None:

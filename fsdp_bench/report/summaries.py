@@ -346,4 +346,16 @@ def provenance(df: pd.DataFrame) -> dict[str, str]:
         "hosts": f"{len(hosts)}: {shown_hosts}" if hosts else "-",
         "first run started": started[0] if started else "-",
         "last run finished": finished[-1] if finished else "-",
+        **_measured_again(df),
+    }
+
+
+def _measured_again(df: pd.DataFrame) -> dict[str, str]:
+    count = int(df.attrs.get("measured_again", 0))
+    if not count:
+        return {}
+    what = "configuration was" if count == 1 else "configurations were"
+    return {
+        "measured again": f"{count} {what} measured again (a search's confirmation round, "
+        "other measurement settings): the record with the most timed steps stands for each"
     }

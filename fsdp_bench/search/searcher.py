@@ -12,8 +12,9 @@ memory used, measured or estimated, + margin - budget <= 0), so an OOM or an ove
 teaches the sampler where not to go instead of being a failure it keeps proposing. Errors and
 timeouts are failed trials.
 
-`search.trials` counts distinct points: a point the sampler proposes again is told its record
-for free, and after a few such repeats in a row the next trial is an unvisited point.
+`search.trials` counts launched runs: a point predicted over budget, already recorded or
+excluded is told without one and costs nothing; a point the sampler proposes again is told its
+record for free, and after a few such repeats in a row the next trial is an unvisited point.
 
 After the last trial, the best few feasible configurations are measured again, interleaved
 (`search.confirm`), and the winner is named from those measurements, or a tie.
@@ -60,6 +61,8 @@ REPEATS_BEFORE_EXPLORING = 3
 """Known points proposed in a row before the next trial is an unvisited point instead."""
 MAX_REPEATS_PER_TRIAL = 20
 """A safety stop: known points proposed this many times per budgeted trial."""
+MAX_FREE_PER_LAUNCH = 20
+"""A safety stop: points answered without a launch, per budgeted launch."""
 
 
 @dataclass
@@ -240,6 +243,7 @@ class Searcher:
             self.driver.record_unlaunched(run, "skipped", reason, {"trial": trial.number})
             return None
         self.counts["launched"] += 1
+        trial.set_user_attr("launched", True)
         return run
 
     def _unvisited_point(self, visited: set[PointKey]) -> dict[str, Any] | None:
@@ -337,16 +341,31 @@ class Searcher:
     def _asked(self) -> int:
         return len(counted_trials(self.study))
 
+    def _launched(self) -> set[str]:
+        """Runs launched for a trial, by this driver or one before a restart (whose trial
+        was asked again)."""
+        return {
+            t.user_attrs["run_id"]
+            for t in self.study.get_trials(deepcopy=False)
+            if t.user_attrs.get("launched")
+        }
+
     def _finished(self) -> int:
-        return sum(1 for t in counted_trials(self.study) if t.state.is_finished())
+        return sum(1 for run_id in self._launched() if self.store.has(run_id))
 
     def _budget_spent(self) -> bool:
-        """The budget is asked for, every point of the space has been asked, or (a safety stop)
-        the sampler keeps repeating itself."""
-        asked = self._asked()
+        """`search.trials` runs launched, every point of the space asked, or (safety stops)
+        the sampler keeps repeating itself or answering points without a launch. Points
+        answered without one (predicted over budget, recorded already, excluded) are free."""
+        asked, launched = self._asked(), len(self._launched())
         repeats = len(self.study.get_trials(deepcopy=False)) - asked
         limit = self.settings.trials
-        return asked >= min(limit, self.space_size) or repeats >= MAX_REPEATS_PER_TRIAL * limit
+        return (
+            launched >= limit
+            or asked >= self.space_size
+            or asked - launched >= MAX_FREE_PER_LAUNCH * limit
+            or repeats >= MAX_REPEATS_PER_TRIAL * limit
+        )
 
     def close(self) -> None:
         if self.bar is not None:
