@@ -4,6 +4,8 @@ learns from measured runs (pure logic: records written by hand, estimates built 
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.device_memory import communicators, outside_terms_gib
 from fsdp_bench.memory.error_model import Communicator
 from fsdp_bench.memory.estimate import RunEstimate
-from fsdp_bench.memory.prediction import fits, predicted_oom
+from fsdp_bench.memory.prediction import fit_probability, fits, predicted_oom
 from fsdp_bench.store import ResultStore, RunResult
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -164,7 +166,8 @@ def test_the_correction_is_as_fine_as_the_runs_allow_and_names_them(tmp_path: Pa
 
 def test_an_oom_is_evidence_too(tmp_path: Path) -> None:
     """The process held 78 GiB and asked for 2 more: the run needed 80, above its estimate's
-    reserved 60 plus what lives outside the allocator, so the correction is at least that."""
+    reserved 60 plus what lives outside the allocator: a ratio of at least that, counted in
+    the median with the run that measured x 1.0."""
     store = ResultStore(tmp_path)
     memory = MemoryConfig(budget_gib=80.0)
     ok = RunConfig(world_size=8)
@@ -179,13 +182,39 @@ def test_an_oom_is_evidence_too(tmp_path: Path) -> None:
                            **peaks._asdict()))  # fmt: skip
     outside = sum(outside_terms_gib(big, "cuda").values())
     correction = calibration(memory, store).correction(ok)
-    assert correction.factor == pytest.approx((80.0 - outside) / 60.0)
+    assert correction.factor == pytest.approx((1.0 + (80.0 - outside) / 60.0) / 2)
     assert big.run_id in correction.run_ids
     injected = dataclasses.replace(big, fault=dataclasses.replace(big.fault, kind="oom"))
     huge = reason.replace("78.00", "500.00")
     store.record(RunResult(run_id=injected.run_id, status="oom", config=to_plain(injected),
                            reason=huge, **peaks._asdict()))  # fmt: skip
     assert calibration(memory, store).correction(ok).factor == pytest.approx(correction.factor)
+
+
+def test_runs_that_stray_from_their_correction_widen_the_interval(tmp_path: Path) -> None:
+    """Three runs measured 0.9, 1.0 and 1.1 x their estimates: the median corrects nothing,
+    and their scatter (twice the standard deviation of ln ratio) widens every interval, so a
+    run estimated just over the budget is `maybe`, with its chance to fit."""
+    store = ResultStore(tmp_path)
+    memory = MemoryConfig(budget_gib=62.0)
+    run = RunConfig(world_size=8, data=DataConfig(micro_batch_size=4))
+    estimate = estimate_of(run, 60.0, 66.0)
+    before = estimate.predict(calibration(memory, store), run)
+    assert fits(before, memory) == "no" and fit_probability(before, memory) < 0.05
+    for seed, ratio in enumerate((0.9, 1.0, 1.1), 1):
+        other = RunConfig(world_size=8, data=DataConfig(seed=seed))
+        store.record(measured(other, estimate_of(other, 60.0, 66.0), reserved=66.0 * ratio))
+    known = calibration(memory, store)
+    correction = known.correction(run)
+    logs = [math.log(r) for r in (0.9, 1.0, 1.1)]
+    assert correction.factor == pytest.approx(1.0)
+    assert correction.scatter == pytest.approx(math.expm1(2 * statistics.stdev(logs)))
+    after = estimate.predict(known, run)
+    assert after.errors is not None and before.errors is not None
+    assert after.errors.device_used.low_gib < before.errors.device_used.low_gib - 5
+    assert "measured scatter" in {term.name for term in after.errors.terms}
+    assert fits(after, memory) == "maybe" and 0.05 < fit_probability(after, memory) < 0.5
+    assert "scatter ±22%" in correction.describe
 
 
 def test_a_cpu_run_is_corrected_on_its_tensors(tmp_path: Path) -> None:

@@ -7,14 +7,16 @@ CUDA (the allocator replay's peak) and the tensors elsewhere; its correction is 
 measured / raw over the runs of the finest scope that has any: the same GPU, model, world size
 and compile setting, then the same GPU, model and compile setting, then the same GPU and
 compile setting. An OOM is evidence too: the process held `W` GiB and asked for `X` more
-(torch's message), so the run needed at least W + X, and the correction is at least that over
-its estimate. With no GPU named (`memory.gpu`), a run may land on any GPU the folder has
+(torch's message), so the run needed at least W + X, and it counts in the median at that
+over its estimate. How far single runs stray from the median (`Correction.scatter`) widens
+the intervals. With no GPU named (`memory.gpu`), a run may land on any GPU the folder has
 measured, and the largest correction is taken.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -54,13 +56,18 @@ class Correction:
     run_ids: tuple[str, ...] = ()
     scope: str = ""
     """What the runs share with the estimated one ("NVIDIA H200, llama3-8b, eager")."""
+    scatter: float = 0.0
+    """How far one run's measured / raw strays from the others': twice the standard deviation
+    of ln(ratio) over the runs (from 3 on; 0 before), a relative band the interval widens by.
+    Systematic error is what the factor corrects; this is what no factor can."""
 
     @property
     def describe(self) -> str:
         if not self.run_ids:
             return "none (no measured run of this GPU and model)"
         runs = ", ".join(self.run_ids[:4]) + (" ..." if len(self.run_ids) > 4 else "")
-        return f"x {self.factor:.3f} from {len(self.run_ids)} runs ({self.scope}: {runs})"
+        spread = f", scatter ±{100 * self.scatter:.0f}%" if self.scatter else ""
+        return f"x {self.factor:.3f}{spread} from {len(self.run_ids)} runs ({self.scope}: {runs})"
 
 
 @dataclass(frozen=True)
@@ -123,21 +130,35 @@ class Calibration:
         return self.gpu is None or not device or self.gpu.split("-")[0] in device
 
 
+MIN_SCATTER_SAMPLES = 3
+"""Runs before their scatter widens the interval (two ratios say little of a spread)."""
+
+
 def _worst_device(samples: list[Sample], scope: str) -> Correction:
-    """Per GPU: the median ratio, raised to what its OOMs needed; the largest over GPUs (an
-    OOM of unknown GPU counts for every one)."""
+    """Per GPU: the median ratio over its runs, an OOM counted at what it needed (a lower
+    bound, so the median leans low only where OOMs are many), with the ratios' scatter; the
+    largest over GPUs (an OOM of unknown GPU counts for every one).
+
+    A median, not the largest bound: where single runs stray from the estimate (a 10% random
+    error), one OOM that needed 20% more says that run was off, and raising every estimate by
+    it would prune the fastest runs at the memory edge; the scatter widens the intervals
+    instead, so a run near the budget is `maybe` and measured."""
     devices = {s.device for s in samples if s.device} or {""}
     best: Correction | None = None
     for device in sorted(devices):
         here = [s for s in samples if s.device in (device, "")]
-        measured = [s.ratio for s in here if not s.at_least]
-        if not measured:
+        if all(s.at_least for s in here):
             continue
-        factor = max([statistics.median(measured), *(s.ratio for s in here if s.at_least)])
+        ratios = [s.ratio for s in here]
+        logs = [math.log(r) for r in ratios if r > 0]
+        scatter = (
+            math.expm1(2 * statistics.stdev(logs)) if len(logs) >= MIN_SCATTER_SAMPLES else 0.0
+        )
         ids = tuple(s.run_id for s in here)
         where = f"{device}, {scope}" if device else scope
+        factor = statistics.median(ratios)
         if best is None or factor > best.factor:
-            best = Correction(factor, ids, where)
+            best = Correction(factor, ids, where, scatter)
     return best or Correction()
 
 

@@ -152,12 +152,14 @@ def error_model(
     compiled: bool,
     records_streams: bool,
     outside_measured: tuple[float, float] | None = None,
+    scatter: float = 0.0,
 ) -> ErrorModel:
     """The intervals around allocated, reserved and device-used = reserved + outside.
 
     `outside_measured`: (low, high) GiB of device-used minus reserved in measured runs of the
     folder, which then replaces the context and NCCL terms. `records_streams`: the installed
-    torch is older than 2.8."""
+    torch is older than 2.8. `scatter`: how far the folder's measured runs stray from their
+    correction (`calibration.Correction.scatter`), relative."""
     tensors = _scaled("tensors", allocated_gib, TENSORS)
     band = _widest(FRAGMENTATION, RECORDED_STREAMS) if records_streams else FRAGMENTATION
     allocated_terms = [tensors, _cublas(gpu)]
@@ -165,6 +167,9 @@ def error_model(
     if compiled:
         allocated_terms.append(_scaled("compile", allocated_gib, COMPILED))
         reserved_terms.append(_scaled("compile", reserved_gib, COMPILED))
+    if scatter:
+        allocated_terms.append(scatter_term(allocated_gib, scatter))
+        reserved_terms.append(scatter_term(reserved_gib, scatter))
     outside_terms = (
         [_measured_outside(sum(outside_gib.values()), outside_measured)]
         if outside_measured is not None
@@ -179,6 +184,12 @@ def error_model(
         terms=[*dict.fromkeys([*allocated_terms, *reserved_terms, *outside_terms])],
         unseen=unseen,
     )
+
+
+def scatter_term(figure_gib: float, scatter: float) -> Term:
+    """What measured runs of the folder say one estimate can be off by beyond its correction."""
+    source = f"measured runs stray ±{100 * scatter:.0f}% from the folder's correction"
+    return Term("measured scatter", figure_gib * scatter, figure_gib * scatter, source)
 
 
 def _interval(figure_gib: float, terms: list[Term]) -> Interval:

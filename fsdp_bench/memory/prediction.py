@@ -6,6 +6,8 @@ end is over, maybe between. Pruning launches nothing that is `no` and everything
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,7 +15,14 @@ from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory.calibration import Calibration, Correction
 from fsdp_bench.memory.device_memory import communicators
-from fsdp_bench.memory.error_model import TENSORS, ErrorModel, Interval, Term, error_model
+from fsdp_bench.memory.error_model import (
+    TENSORS,
+    ErrorModel,
+    Interval,
+    Term,
+    error_model,
+    scatter_term,
+)
 from fsdp_bench.store import EstimatedPeaks
 
 Fits = Literal["yes", "no", "maybe", "?"]
@@ -75,8 +84,11 @@ def predict(
         tensors = tensors_gib * factor
         extra = known.configured_outside_gib or 0.0
         term = Term("tensors", tensors * TENSORS.below, tensors * TENSORS.above, TENSORS.source)
-        band = Interval(tensors - term.below_gib + extra, tensors + term.above_gib + extra)
-        errors = ErrorModel(band, band, band, [term])
+        spread = scatter_term(tensors, correction.scatter)
+        below = math.hypot(term.below_gib, spread.below_gib)
+        above = math.hypot(term.above_gib, spread.above_gib)
+        band = Interval(max(tensors - below, 0.0) + extra, tensors + above + extra)
+        errors = ErrorModel(band, band, band, [term, *([spread] if correction.scatter else [])])
         terms = {"tensors": tensors, **({"outside": extra} if extra else {})}
         sources = {"outside": "configured (memory.overhead_gib)"} if extra else {}
         return Prediction(tensors_gib, None, None, tensors + extra, errors, terms, sources,
@@ -97,6 +109,7 @@ def predict(
         compiled=run.train.compile != "none",
         records_streams=records_streams,
         outside_measured=outside_range,
+        scatter=correction.scatter,
     )
     return Prediction(
         tensors_gib,
@@ -122,6 +135,20 @@ def fits(prediction: Prediction, memory: MemoryConfig) -> Fits:
     if interval.high_gib <= limit:
         return "yes"
     return "no" if interval.low_gib > limit else "maybe"
+
+
+def fit_probability(prediction: Prediction, memory: MemoryConfig) -> float:
+    """How likely the run fits, reading the device-used interval as a 95% one of a normal
+    error on each side (1.0 with no budget or no estimate)."""
+    used = prediction.device_used_gib
+    if memory.budget_gib is None or used is None or prediction.errors is None:
+        return 1.0
+    limit = memory.budget_gib - memory.margin_gib
+    interval = prediction.errors.device_used
+    side = (used - interval.low_gib) if limit < used else (interval.high_gib - used)
+    if side <= 0:
+        return 1.0 if used <= limit else 0.0
+    return statistics.NormalDist().cdf((limit - used) / (side / 1.96))
 
 
 def predicted_oom(prediction: Prediction, memory: MemoryConfig) -> str:
