@@ -75,6 +75,14 @@ def _groups(grouping: str) -> int:
     return 1 if grouping == "block" else int(grouping.split(":")[1])
 
 
+BASE = {
+    "model": {"name": "llama3-8b"},
+    "data": {"seq_len": SEQ},
+    "fsdp": {"mixed_precision": "bf16"},
+}
+"""Both tables' runs: Llama-3-8B at sequence 8192, bf16 compute."""
+
+
 def roofline_truth(point: dict[str, Any]) -> Truth:
     w = point["world_size"]
     b = point["data.micro_batch_size"]
@@ -133,11 +141,7 @@ ROOFLINE = IndependentTable(
     name="roofline",
     grid={
         "name": "replay-roofline",
-        "base": {
-            "model": {"name": "llama3-8b"},
-            "data": {"seq_len": SEQ},
-            "fsdp": {"mixed_precision": "bf16"},
-        },
+        "base": BASE,
         "axes": {
             "world_size": [8, 16, 32, 64],
             "fsdp.grouping": ["block", "blocks:2", "blocks:4"],
@@ -187,11 +191,7 @@ PUBLISHED = IndependentTable(
     name="published",
     grid={
         "name": "replay-published",
-        "base": {
-            "model": {"name": "llama3-8b"},
-            "data": {"seq_len": SEQ},
-            "fsdp": {"mixed_precision": "bf16"},
-        },
+        "base": BASE,
         "axes": {
             "world_size": [8, 16, 32, 64, 128],
             "fsdp.grouping": ["block", "blocks:2"],
