@@ -54,3 +54,22 @@ def test_an_interrupt_that_reaches_only_the_ranks_is_measured_again(tmp_path: Pa
         assert "interrupted (run " in done.stderr and "a signal interrupted rank 0" in done.stderr
         assert not list((tmp_path / "r" / "runs").glob("*.json"))
         assert list(started_counts(tmp_path / "r").values()) == [attempt]
+
+
+def test_an_oom_on_one_rank_frees_its_job_without_waiting_for_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 dies of OOM at its run's start while rank 0 waits in a collective for it: the
+    job ends on rank 1's failure note, not after `collective_timeout_s` (600 s here), and the
+    run queued after it is measured. (A bound against the timeout, not a speed target.)"""
+    import time
+
+    grid = tiny_grid("oom-frees", [{"fault.kind": ["oom"], "fault.rank": [1]}, {"data.seed": [7]}])
+    grid["launcher"]["collective_timeout_s"] = 600
+    started = time.monotonic()
+    outcome, df = sweep(tmp_path, grid)
+    took_s = time.monotonic() - started
+    by_fault = df.set_index("fault")
+    assert outcome.recorded == 2 and by_fault.loc["oom", "status"] == "oom"
+    assert by_fault.loc["none", "status"] == "ok"
+    assert took_s < 600 / 2, f"{took_s:.0f} s: the OOM's job waited for the collective timeout"

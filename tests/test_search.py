@@ -120,6 +120,13 @@ def check_confirmation(outcome: Any, spec: Any, folder: Path) -> None:
         assert r.config["measure"]["rounds"] == 2
     text = describe_search(outcome, spec)
     assert "confirmed best: " in text and "95% CI" in text
+    progress = next(line for line in text.splitlines() if " runs launched, " in line)
+    pattern = (r"(\d+) runs launched, (\d+) of them did not fit \(OOM or over the budget\); "
+               r"the best was launch (\d+), unchanged for the (\d+) since: "
+               r"more trials (may find a faster one|are unlikely to help)")  # fmt: skip
+    said = re.fullmatch(pattern, progress)
+    assert said is not None, progress
+    assert int(said[1]) == outcome.counts["launched"] == int(said[3]) + int(said[4])
     base = text.split("as a grid base (YAML):\n", 1)[1].splitlines()
     assert base[:2] == ["    model:", "      name: tiny"], "pasted as a base, it runs this model"
     assert confirmation.winner is not None
@@ -394,3 +401,50 @@ def test_a_database_storage_holds_the_study(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--storage: 'nonsense://x' is not a usable database URL" in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_search_over_the_practitioners_knobs_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sweeps/torchtitan-llama3-8b.yaml's knobs (checkpointing, reshard, reduce dtype, bf16
+    storage, optimizer implementation, world size), scaled to the tiny model on this CPU,
+    searched through the command as a user runs it, under a budget that rules some out."""
+    grid = {
+        "name": "practitioners",
+        "base": {
+            "world_size": 2,
+            "model": {"name": "tiny"},
+            "data": {"micro_batch_size": 2, "seq_len": 128},
+            "fsdp": {
+                "grouping": "block",
+                "reshard_after_forward": "all_but_last",
+                "mixed_precision": "bf16",
+                "reduce_dtype": "fp32",
+                "activation_checkpointing": "selective_op",
+            },
+            "train": {"optimizer": "adamw", "optimizer_impl": "foreach", "max_grad_norm": 1.0},
+            "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
+        },
+        "axes": {
+            "world_size": [1, 2],
+            "fsdp.activation_checkpointing": ["selective_op", "block", "every_2"],
+            "fsdp.reshard_after_forward": ["all_but_last", False],
+            "fsdp.reduce_dtype": ["fp32", "bf16"],
+            "model.dtype": ["fp32", "bf16"],
+            "train.optimizer_impl": ["foreach", "for_loop"],
+        },
+        "memory": {"budget_gib": 0.02},
+        "search": {"trials": 6, "seed": 0, "confirm_top_k": 2, "confirm_rounds": 2},
+        "launcher": {"collective_timeout_s": 60},
+    }
+    path, results = write_grid(tmp_path, grid), tmp_path / "r"
+    assert main(["search", str(path), "--results", str(results), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert " runs launched, " in said and "as a grid base (YAML):" in said
+    records = {r.run_id: r for r in ResultStore(results).results()}
+    launched = set(started_counts(results))
+    ok = [r for r in records.values() if r.status == "ok" and r.run_id in launched]
+    assert len(ok) >= 4 and {r.config["world_size"] for r in ok} <= {1, 2}
+    assert not launched & {i for i, r in records.items() if r.status == "skipped"}
+    assert any(r.config["model"]["dtype"] == "bf16" for r in records.values())

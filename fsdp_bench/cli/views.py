@@ -23,6 +23,7 @@ from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for, sweep_status
 
 if TYPE_CHECKING:
+    import optuna
     import pandas as pd
 
     from fsdp_bench.search import Candidate, Confirmation, SearchOutcome
@@ -118,6 +119,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
         f"best feasible: {spec.search.metric} {value:,.6g} (trial {trial.number}, run "
         f"{result.run_id}), peak {result.peak_memory_gib:.3f} GiB per rank{fits}"
     )
+    progress = _progress_line(outcome.study, store, spec, result.run_id)
     results = load_results(outcome.results_dir)
     confirmation = outcome.confirmation
     if confirmation is not None and confirmation.winner is not None:
@@ -128,6 +130,7 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
         lines += _confirmation_lines(confirmation, spec) if confirmation else []
     if outcome.confirm_skipped:
         lines.append(f"no confirmation round: {outcome.confirm_skipped}")
+    lines.append(progress)
     confirmed = confirmation is not None and confirmation.winner is not None
     best_name = "the confirmed best" if confirmed else "the best feasible"
     lines += _reproduce_lines(spec, build(RunConfig, result.config), best_name, outcome.results_dir)
@@ -142,6 +145,37 @@ def describe_search(outcome: SearchOutcome, spec: SweepSpec, top: int = 5) -> st
             *(f"  {run_id}" for run_id in front_ids),
         ]
     return "\n".join(lines)
+
+
+def _progress_line(
+    study: optuna.Study, store: ResultStore, spec: SweepSpec, best_run_id: str
+) -> str:
+    """How many launches did not fit, and when the best was launched: a best found early and
+    unchanged since says more trials are unlikely to help; one found late says they may."""
+    from fsdp_bench.memory.calibration import calibration
+    from fsdp_bench.search.trials import constraint_value
+
+    known = calibration(spec.memory, store)
+    launched = list(dict.fromkeys(
+        str(t.user_attrs["run_id"]) for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("launched")
+    ))  # fmt: skip
+    records = [r for r in map(store.get, launched) if r is not None]
+    unfit = sum(
+        r.status == "oom" or (r.status == "ok" and constraint_value(r, spec.memory, known) > 0)
+        for r in records
+    )
+    text = f"{len(launched)} runs launched, {unfit} of them did not fit (OOM or over the budget)"
+    if best_run_id not in launched:
+        return text + "; the best was recorded before this search"
+    at = launched.index(best_run_id) + 1
+    since = len(launched) - at
+    advice = (
+        "more trials may find a faster one"
+        if since < max(3, len(launched) // 4)
+        else "more trials are unlikely to help"
+    )
+    return f"{text}; the best was launch {at}, unchanged for the {since} since: {advice}"
 
 
 def _reproduce_lines(spec: SweepSpec, run: RunConfig, name: str, results: Path) -> list[str]:
