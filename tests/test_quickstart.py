@@ -71,9 +71,13 @@ def test_quickstart_end_to_end(
     assert ranked == df.sort_values("tokens_per_s", ascending=False).run_id.tolist()
     assert (results / "grid.yaml").read_text() == (REPO / "sweeps" / "quickstart.yaml").read_text()
 
+    # One job per world size, and one more for each run whose passes disagreed beyond the
+    # noise (set aside in replaced/ and measured again in a later job: launch/stability.py).
+    jobs = list((results / "jobs" / "submitit").glob("*_submitted.pkl"))
+    measured_again = len(list((results / "replaced").glob("*.json")))
+    assert 2 + min(measured_again, 1) <= len(jobs) <= 2 + measured_again, measured_again
     # Run again: everything is recorded, nothing runs.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0
     assert "31 runs were already recorded" in again.stdout
-    jobs = list((results / "jobs" / "submitit").glob("*_submitted.pkl"))
-    assert len(jobs) == 2, "one job per world size, none for the second invocation"
+    assert len(list((results / "jobs" / "submitit").glob("*_submitted.pkl"))) == len(jobs)
