@@ -24,7 +24,13 @@ from fsdp_bench.errors import yaml_scalar
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
-from fsdp_bench.memory.prediction import Fits, Prediction, fits, predicted_oom
+from fsdp_bench.memory.prediction import (
+    Fits,
+    Prediction,
+    fits,
+    predicted_oom,
+    search_prune_reason,
+)
 from fsdp_bench.store import ResultStore
 from fsdp_bench.sweep import results_dir_for
 
@@ -117,7 +123,7 @@ def describe_search_plan(spec: SweepSpec, results: Path | None, prune: bool) -> 
     if spec.memory.budget_gib is None:
         lines.append("no budget: every point is a candidate (memory.budget_gib or --budget-gib)")
     elif prune:
-        over = sum(1 for p in predictions.values() if predicted_oom(p, spec.memory))
+        over = sum(1 for p in predictions.values() if search_prune_reason(p, spec.memory))
         lines.append(
             f"the search skips the {over} points predicted over the budget without a run "
             f"(told infeasible; --no-prune launches them) and samples among the other "

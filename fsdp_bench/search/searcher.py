@@ -42,7 +42,7 @@ from fsdp_bench.launch.ledger import Ledger
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.estimate import RunEstimate, estimate_runs, target_device
 from fsdp_bench.memory.model_check import check_models
-from fsdp_bench.memory.prediction import fit_probability, predicted_oom
+from fsdp_bench.memory.prediction import search_prune_reason
 from fsdp_bench.search.confirm import Confirmation, confirm, skip_reason
 from fsdp_bench.search.samplers import make_sampler
 from fsdp_bench.search.trials import (
@@ -61,12 +61,6 @@ REPEATS_BEFORE_EXPLORING = 3
 """Known points proposed in a row before the next trial is an unvisited point instead."""
 MAX_REPEATS_PER_TRIAL = 20
 """A safety stop: known points proposed this many times per budgeted trial."""
-MIN_FIT_PROBABILITY = 0.1
-"""A `maybe` point less likely than this to fit is told infeasible without a launch. On the
-search-efficiency benchmark's tables (benchmarks/results/2026-12-05-search-efficiency.txt)
-0.1 cut the launches that did not fit from 8.9% to 6.7% and 7.9% to 3.9% with exact
-estimates, the true best launched as often; 0.25 cut more and missed it more often when
-single estimates stray by 10%."""
 MAX_FREE_PER_LAUNCH = 20
 """A safety stop: points answered without a launch, per budgeted launch."""
 
@@ -241,10 +235,7 @@ class Searcher:
         self.pending[run.run_id] = [trial]
         estimate = self._estimate(run)
         prediction = estimate.predict(self.known, run)
-        reason = predicted_oom(prediction, self.spec.memory) if self.options.prune else ""
-        chance = fit_probability(prediction, self.spec.memory)
-        if self.options.prune and not reason and chance < MIN_FIT_PROBABILITY:
-            reason = f"predicted_oom: fits with probability {chance:.2f}"
+        reason = search_prune_reason(prediction, self.spec.memory) if self.options.prune else ""
         assert self.driver is not None
         self.driver.estimates[run.run_id] = estimate.peaks(self.known, run, self.spec.memory)
         if reason:
