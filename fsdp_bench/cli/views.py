@@ -153,13 +153,10 @@ def _progress_line(
     """How many launches did not fit, and when the best was launched: a best found early and
     unchanged since says more trials are unlikely to help; one found late says they may."""
     from fsdp_bench.memory.calibration import calibration
-    from fsdp_bench.search.trials import constraint_value
+    from fsdp_bench.search.trials import constraint_value, launched_run_ids
 
     known = calibration(spec.memory, store)
-    launched = list(dict.fromkeys(
-        str(t.user_attrs["run_id"]) for t in study.get_trials(deepcopy=False)
-        if t.user_attrs.get("launched")
-    ))  # fmt: skip
+    launched = launched_run_ids(study)
     records = [r for r in map(store.get, launched) if r is not None]
     unfit = sum(
         r.status == "oom" or (r.status == "ok" and constraint_value(r, spec.memory, known) > 0)

@@ -51,6 +51,7 @@ from fsdp_bench.search.trials import (
     best_feasible,
     constraint_value,
     counted_trials,
+    launched_run_ids,
     point_key,
 )
 from fsdp_bench.store import EstimatedPeaks, ResultStore, RunResult
@@ -341,23 +342,14 @@ class Searcher:
     def _asked(self) -> int:
         return len(counted_trials(self.study))
 
-    def _launched(self) -> set[str]:
-        """Runs launched for a trial, by this driver or one before a restart (whose trial
-        was asked again)."""
-        return {
-            t.user_attrs["run_id"]
-            for t in self.study.get_trials(deepcopy=False)
-            if t.user_attrs.get("launched")
-        }
-
     def _finished(self) -> int:
-        return sum(1 for run_id in self._launched() if self.store.has(run_id))
+        return sum(1 for run_id in launched_run_ids(self.study) if self.store.has(run_id))
 
     def _budget_spent(self) -> bool:
         """`search.trials` runs launched, every point of the space asked, or (safety stops)
         the sampler keeps repeating itself or answering points without a launch. Points
         answered without one (predicted over budget, recorded already, excluded) are free."""
-        asked, launched = self._asked(), len(self._launched())
+        asked, launched = self._asked(), len(launched_run_ids(self.study))
         repeats = len(self.study.get_trials(deepcopy=False)) - asked
         limit = self.settings.trials
         return (

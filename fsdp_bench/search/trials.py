@@ -56,6 +56,15 @@ def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return counted
 
 
+def launched_run_ids(study: optuna.Study) -> list[str]:
+    """Runs launched for a trial, in launch order, by this driver or one before a restart
+    (whose trial was asked again): what `search.trials` counts."""
+    return list(dict.fromkeys(
+        str(t.user_attrs["run_id"]) for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("launched")
+    ))  # fmt: skip
+
+
 def best_feasible(
     study: optuna.Study, store: ResultStore, spec: SweepSpec
 ) -> tuple[optuna.trial.FrozenTrial, float] | None:
