@@ -16,7 +16,9 @@ a systematic -15% or +15%, or a random 10% per point (log-normal); on the cpu ta
 estimate times the same. Strategies, each given 21% of the table's points as launches
 (`--share`):
 
-- fsdp-bench: `run_search` with the grid's defaults;
+- fsdp-bench: `run_search` with the grid's defaults (the additive sampler);
+- fsdp-bench tpe, fsdp-bench gp: the same search with `search.sampler` tpe (the default until
+  2026-12-05) or gp, the alternatives measured for the default;
 - optuna TPE: TPESampler with defaults, no constraints; a run that does not fit is told 0;
 - random: distinct points in random order;
 - grid order: the sweep's order (what a sweep stopped at that many runs measures).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -55,6 +58,7 @@ from fsdp_bench.config.grid import (
     parse_grid,
     search_space,
 )
+from fsdp_bench.config.grid_settings import SamplerName
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.launch.base import ALIVE_STATES
@@ -232,8 +236,13 @@ class Outcome:
     wall_s: float
 
 
-def fsdp_bench_search(table: Table, launches: int, error: str, seed: int) -> Outcome:
+def fsdp_bench_search(
+    table: Table, launches: int, error: str, seed: int, sampler: SamplerName | None = None
+) -> Outcome:
+    """`run_search` with the grid's settings, or another `search.sampler`."""
     search = dataclasses.replace(table.spec.search, trials=launches, seed=seed, confirm_top_k=0)
+    if sampler is not None:
+        search = dataclasses.replace(search, sampler=sampler)
     launcher_config = dataclasses.replace(table.spec.launcher, poll_interval_s=1e-4)
     spec = dataclasses.replace(table.spec, search=search, launcher=launcher_config)
     started = time.perf_counter()
@@ -304,6 +313,8 @@ def _as_given(value: Any, values: list[Any]) -> Any:
 Strategy = Callable[[Table, int, str, int], Outcome]
 STRATEGIES: dict[str, Strategy] = {
     "fsdp-bench": fsdp_bench_search,
+    "fsdp-bench tpe": functools.partial(fsdp_bench_search, sampler="tpe"),
+    "fsdp-bench gp": functools.partial(fsdp_bench_search, sampler="gp"),
     "optuna TPE": lambda t, n, e, s: optuna_search(t, n, optuna.samplers.TPESampler(seed=s)),
     "random": lambda t, n, e, s: ordered_search(
         t, n, random.Random(s).sample(list(t.runs), len(t.runs))
@@ -352,16 +363,16 @@ def main() -> int:
             f"({table.truth[best].tokens_per_s:,.0f} tokens/s, "
             f"{table.truth[best].device_used_gib:.2f} GiB used); {launches} launches each"
         )
-        print(f"  {'estimate':10s} {'strategy':11s} {'best launched':>24s} {'found':>6s} "
+        print(f"  {'estimate':10s} {'strategy':19s} {'best launched':>24s} {'found':>6s} "
               f"{'unfit':>6s} {'wall s':>6s}")  # fmt: skip
         for error in args.errors:
             for strategy in args.strategies:
-                if strategy != "fsdp-bench" and error != args.errors[0]:
+                if not strategy.startswith("fsdp-bench") and error != args.errors[0]:
                     continue  # the others never read the estimate
                 outcomes = [STRATEGIES[strategy](table, launches, error, seed)
                             for seed in range(args.seeds)]  # fmt: skip
-                label = error if strategy == "fsdp-bench" else "(unused)"
-                print(f"  {label:10s} {strategy:11s} {summary(table, outcomes)}", flush=True)
+                label = error if strategy.startswith("fsdp-bench") else "(unused)"
+                print(f"  {label:10s} {strategy:19s} {summary(table, outcomes)}", flush=True)
     return 0
 
 

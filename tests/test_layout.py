@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 PACKAGE = "fsdp_bench"
@@ -104,11 +106,12 @@ def lazy_table() -> dict[str, str]:
     return {}
 
 
-def imports_of(name: str) -> set[str]:
-    """The package modules `name` imports at run time, anywhere in it (functions included)."""
+def imports_of(name: str, for_typing: bool = False) -> set[str]:
+    """The package modules `name` imports at run time, anywhere in it (functions included);
+    `for_typing`: those under `if TYPE_CHECKING:` too."""
     tree = ast.parse(modules()[name].read_text(), filename=str(modules()[name]))
     found: set[str] = set()
-    for node in walk_runtime(tree):
+    for node in ast.walk(tree) if for_typing else walk_runtime(tree):
         if isinstance(node, ast.Import):
             found.update(_owning_module(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -143,8 +146,8 @@ def _owning_module(name: str) -> str:
 
 
 @cache
-def import_graph() -> dict[str, frozenset[str]]:
-    return {name: frozenset(imports_of(name) - {name}) for name in modules()}
+def import_graph(for_typing: bool = False) -> dict[str, frozenset[str]]:
+    return {name: frozenset(imports_of(name, for_typing) - {name}) for name in modules()}
 
 
 def cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
@@ -209,8 +212,11 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def test_no_import_cycle() -> None:
-    found = cycles(import_graph())
+@pytest.mark.parametrize("for_typing", [False, True], ids=["run time", "with TYPE_CHECKING"])
+def test_no_import_cycle(for_typing: bool) -> None:
+    """Not even one hidden under TYPE_CHECKING: two modules that need each other's types are
+    one job, or one of them states what it reads (a Protocol)."""
+    found = cycles(import_graph(for_typing))
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 

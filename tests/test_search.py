@@ -344,7 +344,7 @@ def test_journal_is_readable_by_optuna(tmp_path: Path) -> None:
     assert [t.values for t in again.trials] == [[1.0]]
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random", "grid", "gp"])
+@pytest.mark.parametrize("sampler", ["additive", "tpe", "random", "grid", "gp"])
 def test_a_recorded_space_is_searched_from_the_store_without_launching(
     tmp_path: Path, sampler: str
 ) -> None:

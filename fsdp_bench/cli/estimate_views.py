@@ -108,7 +108,8 @@ def describe_search_plan(spec: SweepSpec, results: Path | None, prune: bool) -> 
         f"(each key sampled from every value the grid gives it: {' x '.join(map(str, sizes))} "
         f"= {math.prod(sizes)} points, {points.excluded} excluded or not valid, "
         f"{points.collapsed} equal to another), "
-        f"sampler {settings.sampler}, seed {settings.seed if settings.seed is not None else 'none'}"
+        f"sampler {settings.sampler_name}, "
+        f"seed {settings.seed if settings.seed is not None else 'none'}"
         f", {settings.parallel} in flight, maximizing {settings.metric} -> "
         f"{results_dir_for(spec, results)}",
         *(f"  {key}: {', '.join(yaml_scalar(v) for v in values)}" for key, values in space.items()),

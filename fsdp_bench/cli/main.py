@@ -136,7 +136,11 @@ def _search_parser(
     search.add_argument("--budget-gib", type=float, help="memory per rank (memory.budget_gib)")
     search.add_argument("--trials", type=int, help="trials in the study (search.trials)")
     search.add_argument("--parallel", type=int, help="trials in flight (search.parallel)")
-    search.add_argument("--sampler", choices=["tpe", "random", "grid", "gp"])
+    search.add_argument(
+        "--sampler",
+        choices=["additive", "tpe", "random", "grid", "gp"],
+        help="search.sampler (default: additive, tpe with --multi-objective)",
+    )
     search.add_argument("--seed", type=int)
     search.add_argument("--metric", help="results column to optimise (search.metric)")
     search.add_argument(

@@ -4,15 +4,41 @@ each, when a run is made (the presets'; a transformers or user model's once it i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
+from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.errors import CombinationError
 
-if TYPE_CHECKING:
-    from fsdp_bench.config.run import RunConfig
+
+class _Sequence(Protocol):
+    @property
+    def seq_len(self) -> int: ...
 
 
-def check_tensor_parallel(run: RunConfig) -> None:
+class TensorParallelRun(Protocol):
+    """What the check reads of a run (a `RunConfig`), so this module need not import it."""
+
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def processes_per_node(self) -> int | None: ...
+    @property
+    def tp_across_nodes(self) -> bool: ...
+    @property
+    def tp_sequence_parallel(self) -> bool: ...
+    @property
+    def strategy(self) -> Literal["fsdp", "hsdp", "ddp"]: ...
+    @property
+    def replica_ranks(self) -> int: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def data(self) -> _Sequence: ...
+
+
+def check_tensor_parallel(run: TensorParallelRun) -> None:
     """What `tp_size` must divide and what it cannot be combined with (yet), one line each."""
     tp = run.tp_size
     if tp < 1 or run.world_size % tp:

@@ -10,23 +10,32 @@ import optuna
 
 from fsdp_bench.config.grid import SweepSpec, search_space
 from fsdp_bench.errors import ConfigError
+from fsdp_bench.search.additive import AdditiveSampler
 
 
 def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     """Constraint-aware samplers read each trial's `memory` constraint (set when told)."""
     settings = spec.search
-    match settings.sampler:
+    match settings.sampler_name:
         case "tpe":
             return optuna.samplers.TPESampler(
                 seed=settings.seed,
                 multivariate=True,
                 n_startup_trials=startup_trials(spec),
             )
+        case "additive":
+            if settings.multi_objective:
+                raise ConfigError(
+                    "search.sampler: 'additive' is single-objective; use tpe or random"
+                )
+            return AdditiveSampler(
+                search_space(spec), direction=settings.direction, seed=settings.seed
+            )
         case "random":
             return optuna.samplers.RandomSampler(seed=settings.seed)
         case "grid":
-            space = {k: list(v) for k, v in search_space(spec).items()}
-            return AskTellGridSampler(space, seed=settings.seed)
+            grid = {k: list(v) for k, v in search_space(spec).items()}
+            return AskTellGridSampler(grid, seed=settings.seed)
         case "gp":
             if settings.multi_objective:
                 raise ConfigError("search.sampler: 'gp' is single-objective; use tpe or random")
