@@ -73,7 +73,7 @@ import torch
 
 from fsdp_bench import load_results
 from fsdp_bench.config import parse_grid
-from fsdp_bench.job.step_trace import breakdown, timeline_from_trace
+from fsdp_bench.job.measure.step_trace import breakdown, timeline_from_trace
 from fsdp_bench.report import tables
 from fsdp_bench.report.estimates import ESTIMATE_PAIRS
 from fsdp_bench.sweep import SweepOptions, run_sweep
@@ -230,7 +230,7 @@ PROBE = """
 import json, sys, torch
 device_kind = sys.argv[1]
 info = {"torch": torch.__version__, "python": sys.version.split()[0]}
-from fsdp_bench.job.flops import peak_flops
+from fsdp_bench.job.measure.flops import peak_flops
 from fsdp_bench.job.record import device_name, driver_version, nccl_version
 from fsdp_bench.job.training import fp32_matmul_precision
 info["fp32_matmul_precision"] = fp32_matmul_precision()
@@ -438,10 +438,10 @@ def compare_timers(
 
 def _time_both_ways(folder: str) -> dict[str, Any]:
     from fsdp_bench.config import DataConfig, FsdpConfig, ModelConfig, RunConfig
-    from fsdp_bench.job.models import build_model
-    from fsdp_bench.job.parallelize import parallelize
+    from fsdp_bench.job.measure.timing import time_repeat
+    from fsdp_bench.job.model.zoo import build_model
+    from fsdp_bench.job.parallel.parallelize import parallelize
     from fsdp_bench.job.rendezvous import barrier_and_destroy, init_process_group, rank_info
-    from fsdp_bench.job.timing import time_repeat
     from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 
     info = rank_info()
@@ -611,8 +611,8 @@ import json, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import DataConfig, RunConfig
-from fsdp_bench.job.models import build_model, initialize
-from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.model.zoo import build_model, initialize
+from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.snapshot import slim
 device = torch.device("cuda", 0)

@@ -27,14 +27,14 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import DataConfig, MeasureConfig, RunConfig
-from fsdp_bench.job.models import Transformer
+from fsdp_bench.job.measure.timing import slowest_over_ranks
+from fsdp_bench.job.model.zoo import Transformer
 from fsdp_bench.job.rendezvous import (
     barrier_and_destroy,
     init_process_group,
     pick_device,
     rank_info,
 )
-from fsdp_bench.job.timing import slowest_over_ranks
 from fsdp_bench.job.training import synchronize
 from fsdp_bench.job.worker import JobContext, execute_run
 from fsdp_bench.store import ResultStore

@@ -15,7 +15,7 @@ from fsdp_bench._version import __version__
 if TYPE_CHECKING:
     from fsdp_bench.config import expand as expand
     from fsdp_bench.config import load_grid as load_grid
-    from fsdp_bench.job.models import ModelBundle as ModelBundle
+    from fsdp_bench.job.model.zoo import ModelBundle as ModelBundle
     from fsdp_bench.report import build_report as build_report
     from fsdp_bench.search import run_search as run_search
     from fsdp_bench.store import load_results as load_results
@@ -28,7 +28,7 @@ _PUBLIC = {
     "run_search": "fsdp_bench.search",
     "load_results": "fsdp_bench.store",
     "build_report": "fsdp_bench.report",
-    "ModelBundle": "fsdp_bench.job.models",
+    "ModelBundle": "fsdp_bench.job.model.zoo",
 }
 
 __all__ = ["ModelBundle", "__version__", *sorted(k for k in _PUBLIC if k != "ModelBundle")]

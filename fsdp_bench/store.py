@@ -187,7 +187,7 @@ class RunResult:
     checkpoint_reshard_ok: bool | None = None
     """--verify: the state restored at the same world size; every full parameter at world
     size 1. A failure's text is in `reason`."""
-    # The machine around the run (`fsdp_bench.job.load`): sampled before the model is built
+    # The machine around the run (`fsdp_bench.job.measure.load`): sampled before the model is built
     # and after the timed steps, each in a 0.1 s window while the run's ranks sleep
     contended: bool | None = None
     """Something else competed: other processes used more than `load.CONTENDED_CPU_PCT` of a

@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_bench.config.grid import parse_grid
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job import checkpoint
-from fsdp_bench.job.models import build_model
-from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.measure import checkpoint_cost
+from fsdp_bench.job.model.zoo import build_model
+from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.report import tables
 from tests.conftest import sweep, tiny_grid
@@ -37,7 +37,7 @@ def test_a_load_that_restores_nothing_is_caught(
     mesh: DeviceMesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, optimizer = _trained(mesh)
-    cost = checkpoint.measure_checkpoint(
+    cost = checkpoint_cost.measure_checkpoint(
         model, optimizer, tmp_path / "ok", CPU, keep=True, verify=True
     )
     assert cost.restore_ok is True and cost.reshard_ok is True, cost.detail
@@ -49,7 +49,7 @@ def test_a_load_that_restores_nothing_is_caught(
     import torch.distributed.checkpoint as dcp
 
     monkeypatch.setattr(dcp, "load", lambda *args, **kwargs: None)
-    broken = checkpoint.measure_checkpoint(
+    broken = checkpoint_cost.measure_checkpoint(
         model, optimizer, tmp_path / "broken", CPU, keep=False, verify=True
     )
     assert broken.restore_ok is False and broken.reshard_ok is False

@@ -21,8 +21,8 @@ import pytest
 import fsdp_bench.sweep as sweep_module
 from fsdp_bench import load_results
 from fsdp_bench.config.grid import load_grid
-from fsdp_bench.job import load
-from fsdp_bench.job.load import LoadSample
+from fsdp_bench.job.measure import load
+from fsdp_bench.job.measure.load import LoadSample
 from fsdp_bench.launch.local import LocalJob
 from fsdp_bench.report.tables import format_ranking, ranking, shown
 from fsdp_bench.sweep import SweepOptions, run_sweep

@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
-from fsdp_bench.job.models import build_model, initialize
-from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.model.zoo import build_model, initialize
+from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.estimate import estimate_run
 from fsdp_bench.store import GIB

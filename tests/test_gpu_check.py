@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_bench.job.timing import time_repeat
+from fsdp_bench.job.measure.timing import time_repeat
 from tests.conftest import REPO
 
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"

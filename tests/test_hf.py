@@ -20,8 +20,8 @@ from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.models import build_model, check_finite
-from fsdp_bench.job.parallelize import parallelize
+from fsdp_bench.job.model.zoo import build_model, check_finite
+from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, forward_backward, loss_fn, rank_batches
 from fsdp_bench.memory.estimate import estimate_run, estimate_runs
 from fsdp_bench.memory.model_check import COUNTED, count_flops_per_token, run_flops

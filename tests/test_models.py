@@ -16,8 +16,8 @@ from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
 from fsdp_bench.config.run import FsdpConfig, RunConfig
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.models import build_model
-from fsdp_bench.job.parallelize import parallelize, plan_groups
+from fsdp_bench.job.model.zoo import build_model
+from fsdp_bench.job.parallel.parallelize import parallelize, plan_groups
 from fsdp_bench.job.training import loss_fn, rank_batches
 
 
@@ -137,8 +137,8 @@ def test_cpu_offload_materialises_shards_on_the_host_and_buffers_where_they_comp
     """FSDP2's CPU offload refuses, at the first forward, shards not on the host (the H200
     check's offload run failed so); buffers must stay on the compute device, with their
     values. The meta device stands in for the GPU here, the host being this machine's CPU."""
-    from fsdp_bench.job.models import parameters_on_meta
-    from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+    from fsdp_bench.job.model.zoo import parameters_on_meta
+    from fsdp_bench.job.parallel.parallelize import materialize, wrap_on_meta
 
     run = RunConfig(model=ModelConfig(name="tiny"), fsdp=FsdpConfig(cpu_offload=True))
     model, _ = wrap_on_meta(build_model(run.model, "cpu"), run, mesh, torch.device("cpu"))

@@ -18,10 +18,10 @@ from fsdp_bench.config.run import FsdpConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.failure_words import classify_text
 from fsdp_bench.job.failures import classify
-from fsdp_bench.job.flops import peak_flops
-from fsdp_bench.job.models import attention_backend, attention_inputs
+from fsdp_bench.job.measure.flops import peak_flops
+from fsdp_bench.job.measure.timing import time_steps
+from fsdp_bench.job.model.zoo import attention_backend, attention_inputs
 from fsdp_bench.job.rendezvous import RankInfo, cpus_for_rank, pick_device, rank_info
-from fsdp_bench.job.timing import time_steps
 from fsdp_bench.job.training import empty_host_cache
 from fsdp_bench.job.watchdog import Watchdog
 from fsdp_bench.job.worker import JobContext
@@ -219,7 +219,8 @@ def test_a_run_leaves_nothing_alive_for_the_next_run_of_its_job(
     first's 4.6 GiB still allocated, and its peak read 4.6 GiB high."""
     import weakref
 
-    from fsdp_bench.job import parallelize, parity, worker
+    from fsdp_bench.job import parity, worker
+    from fsdp_bench.job.parallel import parallelize
 
     built: list[weakref.ref[torch.Tensor]] = []
     materialize = parallelize.materialize

@@ -27,7 +27,7 @@ from fsdp_bench.config.grid import load_grid, run_for_point, search_space
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig, checkpointed_every
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.models import build_model
+from fsdp_bench.job.model.zoo import build_model
 from fsdp_bench.job.training import loss_fn, rank_batches
 from fsdp_bench.report.build import build_report
 from fsdp_bench.search import (

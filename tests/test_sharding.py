@@ -11,9 +11,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_bench.config.run import FsdpConfig, RunConfig
-from fsdp_bench.job.models import build_model
-from fsdp_bench.job.parallelize import wrap_on_meta
-from fsdp_bench.job.tracker import TensorMemoryTracker
+from fsdp_bench.job.measure.tracker import TensorMemoryTracker
+from fsdp_bench.job.model.zoo import build_model
+from fsdp_bench.job.parallel.parallelize import wrap_on_meta
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 
 

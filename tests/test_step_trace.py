@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fsdp_bench.job.intervals import length, uncovered, union
-from fsdp_bench.job.memory_timeline import MAX_POINTS
-from fsdp_bench.job.step_trace import (
+from fsdp_bench.job.measure.intervals import length, uncovered, union
+from fsdp_bench.job.measure.memory_timeline import MAX_POINTS
+from fsdp_bench.job.measure.step_trace import (
     MARK_PREFIX,
     PhaseClock,
     TimelineEvent,

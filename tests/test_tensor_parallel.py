@@ -125,7 +125,7 @@ def _run_generated_code(rank: int, world: int, store_path: str) -> None:
     import torch.distributed as dist
 
     from fsdp_bench.cli.codegen import fully_shard_code
-    from fsdp_bench.job.models import build_model
+    from fsdp_bench.job.model.zoo import build_model
     from fsdp_bench.job.training import loss_fn, rank_batches
 
     dist.init_process_group(

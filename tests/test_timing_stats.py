@@ -14,9 +14,9 @@ from fsdp_bench.config.grid import parse_grid
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, FieldError
+from fsdp_bench.job.measure.timing import repeat_until_tight, time_repeat, time_steps
 from fsdp_bench.job.record import RankOutcome, RunContext, build_result
 from fsdp_bench.job.rendezvous import RankInfo
-from fsdp_bench.job.timing import repeat_until_tight, time_repeat, time_steps
 from fsdp_bench.stats import median_interval, median_interval_ranks, summarize_times, within_target
 from fsdp_bench.store import EstimatedPeaks, RunResult
 

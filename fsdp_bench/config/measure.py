@@ -41,7 +41,7 @@ class MeasureConfig:
     checkpoint: bool = False
     """After the timed steps (first pass only), save the sharded model and optimizer state
     with Distributed Checkpoint and load it back: `checkpoint_save_s`, `checkpoint_load_s`,
-    `checkpoint_bytes` (`fsdp_bench.job.checkpoint`)."""
+    `checkpoint_bytes` (`fsdp_bench.job.measure.checkpoint_cost`)."""
     checkpoint_dir: str | None = None
     """Where the checkpoint files go (a cluster's parallel file system, say), one folder per
     run; None: `checkpoints/` in the results folder."""

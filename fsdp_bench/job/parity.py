@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from fsdp_bench.config.run import RunConfig, grouping_block_count
 from fsdp_bench.errors import one_line
 from fsdp_bench.job.failures import classify
-from fsdp_bench.job.models import build_model
-from fsdp_bench.job.parallelize import materialize, parallelize
+from fsdp_bench.job.model.zoo import build_model
+from fsdp_bench.job.parallel.parallelize import materialize, parallelize
 from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.training import (
     autocast_dtype,
@@ -115,7 +115,7 @@ def verification_run(run: RunConfig) -> tuple[RunConfig, str]:
 def _shallow_hf_run(run: RunConfig) -> tuple[RunConfig, str]:
     """A transformers model verified with at most 4 blocks (2 groups of K for blocks:K), as
     wide as it runs; its shape is the model's own business, its depth is not parity's."""
-    from fsdp_bench.job.hf import num_hidden_layers
+    from fsdp_bench.job.model.hf import num_hidden_layers
 
     layers = num_hidden_layers(run.model)
     per_group = grouping_block_count(str(run.fsdp.grouping))

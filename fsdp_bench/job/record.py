@@ -23,10 +23,10 @@ import torch.distributed as dist
 from fsdp_bench._version import __version__
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
-from fsdp_bench.job.flops import peak_flops
-from fsdp_bench.job.load import LoadSample, record_fields
+from fsdp_bench.job.measure.flops import peak_flops
+from fsdp_bench.job.measure.load import LoadSample, record_fields
+from fsdp_bench.job.measure.step_trace import StepBreakdown
 from fsdp_bench.job.rendezvous import RankInfo
-from fsdp_bench.job.step_trace import StepBreakdown
 from fsdp_bench.job.training import fp32_matmul_precision
 from fsdp_bench.stats import TimeSummary, summarize_times
 from fsdp_bench.store import GIB, EstimatedPeaks, Flops, RunResult, now_iso

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, one_line
-from fsdp_bench.job.models import logits_of
+from fsdp_bench.job.model.zoo import logits_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.checkpoint import checkpoint_cost
 from fsdp_bench.job.failures import (
     classify,
     fail,
@@ -36,10 +35,13 @@ from fsdp_bench.job.failures import (
     note_failure,
     slowed,
 )
-from fsdp_bench.job.load import run_pids, sample
-from fsdp_bench.job.measure import StepProfile, profile_once, profile_step
-from fsdp_bench.job.models import build_model, check_initialised, sdpa_backend
-from fsdp_bench.job.parallelize import ShardPlan, parallelize
+from fsdp_bench.job.measure.checkpoint_cost import checkpoint_cost
+from fsdp_bench.job.measure.load import run_pids, sample
+from fsdp_bench.job.measure.profile import StepProfile, profile_once, profile_step
+from fsdp_bench.job.measure.step_trace import trace_file
+from fsdp_bench.job.measure.timing import GRACE_S, StepMeasurements, compile_time_s, measure_steps
+from fsdp_bench.job.model.zoo import build_model, check_initialised, sdpa_backend
+from fsdp_bench.job.parallel.parallelize import ShardPlan, parallelize
 from fsdp_bench.job.parity import verify_on_every_rank
 from fsdp_bench.job.record import RankOutcome, RunContext, gather_result, pool_passes
 from fsdp_bench.job.rendezvous import (
@@ -53,8 +55,6 @@ from fsdp_bench.job.rendezvous import (
     rank_info,
 )
 from fsdp_bench.job.spec import JobSpec
-from fsdp_bench.job.step_trace import trace_file
-from fsdp_bench.job.timing import GRACE_S, StepMeasurements, compile_time_s, measure_steps
 from fsdp_bench.job.training import (
     build_optimizer,
     make_train_step,

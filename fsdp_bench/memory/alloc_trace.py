@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_bench.config.gpus import CUBLAS_HANDLES, CUBLAS_WORKSPACE_SM90_BYTES
-from fsdp_bench.job.tracker import marked_propagation, propagating
+from fsdp_bench.job.measure.tracker import marked_propagation, propagating
 from fsdp_bench.memory.allocator import CachingAllocator, OutOfMemory
 
 DEFAULT_STREAM = "default"

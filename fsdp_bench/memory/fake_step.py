@@ -21,9 +21,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_bench.config.run import RunConfig, grouping_block_count
-from fsdp_bench.job.measure import MemoryReport, profile_step
-from fsdp_bench.job.models import ModelBundle, build_model, initialize
-from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+from fsdp_bench.job.measure.profile import MemoryReport, profile_step
+from fsdp_bench.job.model.zoo import ModelBundle, build_model, initialize
+from fsdp_bench.job.parallel.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
 from fsdp_bench.memory.cuda_kernels import use_cuda_kernels

@@ -192,7 +192,7 @@ def check_model(item: tuple[ModelConfig, list[int]]) -> ModelFacts | str:
 
 
 def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
-    from fsdp_bench.job.models import build_model
+    from fsdp_bench.job.model.zoo import build_model
 
     try:
         bundle = build_model(model)
@@ -230,7 +230,7 @@ def _check(model: ModelConfig, seq_lens: list[int]) -> ModelFacts:
 def _tensor_parallel_facts(bundle: Any) -> dict[str, Any]:
     """`ModelFacts.tp_refusal` and `tp_sizes`: a user's bundle runs TP with its own plan; a
     transformers model with its config's, if it has one (`tensor_parallel.transformers_plan`)."""
-    from fsdp_bench.job.tensor_parallel import transformers_plan
+    from fsdp_bench.job.parallel.tensor_parallel import transformers_plan
 
     if bundle.tp_plan is not None:
         return {}
@@ -258,8 +258,8 @@ def check_init(model: ModelConfig) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_bench.job.models import build_model, check_finite, initialize
-    from fsdp_bench.job.parallelize import materialize, wrap_on_meta
+    from fsdp_bench.job.model.zoo import build_model, check_finite, initialize
+    from fsdp_bench.job.parallel.parallelize import materialize, wrap_on_meta
     from fsdp_bench.memory.fake import fake_world
 
     bundle = build_model(model)
@@ -289,7 +289,7 @@ def count_flops_per_token(name: str, bundle: Any, seq_lens: list[int]) -> dict[i
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fsdp_bench.job.parallelize import materialize
+    from fsdp_bench.job.parallel.parallelize import materialize
     from fsdp_bench.memory.fake import fake_tensors
 
     flops = {}
@@ -339,7 +339,7 @@ def _attention_flops() -> dict[Any, Any]:
 
 def _step(name: str, bundle: Any, tokens: Any) -> None:
     """Forward and backward of one sequence, the output checked against the contract."""
-    from fsdp_bench.job.models import logits_of
+    from fsdp_bench.job.model.zoo import logits_of
     from fsdp_bench.job.training import loss_fn
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -324,7 +324,7 @@ def _num_layers(run: RunConfig) -> int | None:
     """The model's block count, where a copy with another count can be made (presets,
     transformers configs); None for import-path models."""
     if run.model.is_hf_model:
-        from fsdp_bench.job.hf import num_hidden_layers
+        from fsdp_bench.job.model.hf import num_hidden_layers
 
         return num_hidden_layers(run.model)
     return None if run.model.is_user_model else run.model.shape.n_layers

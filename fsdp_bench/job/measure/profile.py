@@ -22,13 +22,13 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.memory_timeline import (
+from fsdp_bench.job.measure.memory_timeline import (
     COLLECTIVE_KINDS,
     MemoryTimeline,
     TimelineSampler,
     cuda_memory_history,
 )
-from fsdp_bench.job.step_trace import StepBreakdown, trace_step
+from fsdp_bench.job.measure.step_trace import StepBreakdown, trace_step
 from fsdp_bench.job.training import Batch, make_train_step
 
 _MATMULS = {"mm", "addmm", "bmm"}
@@ -252,7 +252,7 @@ def profile_step(
     iteration; its per-module statistics are cleared between micro-batches (the peak
     survives).
     """
-    from fsdp_bench.job.tracker import TensorMemoryTracker
+    from fsdp_bench.job.measure.tracker import TensorMemoryTracker
 
     tracker = TensorMemoryTracker(held_apart=run.strategy == "ddp")
     tracker.track_external(model, optimizer)

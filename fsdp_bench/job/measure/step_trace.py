@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.intervals import Interval, length, uncovered, union
+from fsdp_bench.job.measure.intervals import Interval, length, uncovered, union
 from fsdp_bench.job.training import Batch, make_train_step, synchronize
 
 PHASES = ("forward", "backward", "optimizer")

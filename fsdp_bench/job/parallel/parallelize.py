@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.checkpointing import apply_checkpointing
-from fsdp_bench.job.models import ModelBundle, initialize
-from fsdp_bench.job.post_forward_mesh import shared_post_forward_meshes
-from fsdp_bench.job.tensor_parallel import apply_tensor_parallel
+from fsdp_bench.job.model.zoo import ModelBundle, initialize
+from fsdp_bench.job.parallel.activation_checkpointing import apply_checkpointing
+from fsdp_bench.job.parallel.post_forward_mesh import shared_post_forward_meshes
+from fsdp_bench.job.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass

@@ -213,7 +213,7 @@ def build_model(config: ModelConfig, device_type: str = "cpu") -> ModelBundle:
     parameters in `model.dtype`."""
     with parameters_on_meta():
         if config.is_hf_model:
-            from fsdp_bench.job.hf import build_hf_model  # transformers: only when asked for
+            from fsdp_bench.job.model.hf import build_hf_model  # transformers: only when asked for
 
             module, blocks, vocab_size = build_hf_model(config)
             bundle = ModelBundle(module=module, blocks=blocks, vocab_size=vocab_size)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.run import RunConfig
-from fsdp_bench.job.measure import StepProfile
+from fsdp_bench.job.measure.profile import StepProfile
 from fsdp_bench.job.training import synchronize
 from fsdp_bench.job.watchdog import Watchdog
 from fsdp_bench.stats import within_target

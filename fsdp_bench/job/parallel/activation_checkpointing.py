@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fsdp_bench.config.run import checkpointed_every
-from fsdp_bench.job.models import ModelBundle
+from fsdp_bench.job.model.zoo import ModelBundle
 
 
 def _ops(*names: str) -> set[Any]:

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_bench.errors import ConfigError
-from fsdp_bench.job.models import ModelBundle, Transformer
+from fsdp_bench.job.model.zoo import ModelBundle, Transformer
 
 
 def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
