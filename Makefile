@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 $(BIN)/fsdp-bench: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,gp,hf]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,gp,hf,float8]'
 	touch $@
 
 install: $(BIN)/fsdp-bench

@@ -126,6 +126,29 @@ T3 = dataclasses.replace(T1, world_size=128)
 COMPILED = dataclasses.replace(T1, train=dataclasses.replace(T1.train, compile="block"))
 
 
+def _float8(run: RunConfig, recipe: str = "tensorwise") -> RunConfig:
+    """`run` with float8 linears; tensorwise with float8 all-gather, as torchtitan's float8
+    settings then had it (enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale)."""
+    gather = recipe == "tensorwise"
+    return dataclasses.replace(
+        run,
+        fsdp=dataclasses.replace(run.fsdp, float8_all_gather=gather),
+        train=dataclasses.replace(run.train, float8=recipe),  # type: ignore[arg-type]
+    )
+
+
+COMPILED_FLOAT8 = _float8(COMPILED)
+T3_COMPILED = dataclasses.replace(COMPILED, world_size=128)
+T2 = _float8(_llama("llama3-8b", 8, 32768, 1, "block", 1.0, expandable=True, compile="block"))
+TORCHAO_8B = _llama("llama3-8b", 8, 8192, 1, "selective_op", 1.0, expandable=True,
+                    compile="block")  # fmt: skip
+TORCHAO_RUNS = (
+    "torchtitan 0.0.2 as torchao's float8 README ran it: 8 H100s, batch 1, seq 8192, "
+    "torch.compile, FSDP2; per-block compile, bf16 with fp32 reduction, clipping 1.0 and "
+    f"expandable segments as torchtitan then; {TORCHTITAN_RESHARD}; torch 2.7 nightly"
+)
+
+
 ROW_17 = _llama("llama2-7b", 8, 2048, 8, "block")
 ROW_24 = _llama("llama3-8b", 8, 8192, 1, "none")
 LITGPT = (
@@ -168,16 +191,26 @@ ROWS = [
               inferred=f"{TITAN_8B}; per-block compile (torchtitan's)"),
     Published("torchtitan T1: + compile + float8", TORCHTITAN_BENCH,
               "| FSDP + torch.compile + Float8 | 8,532 | 76.8 |", "reserved", 76.8,
-              run=COMPILED, missing="float8 linears", inferred=TITAN_8B),
+              run=COMPILED_FLOAT8,
+              inferred=f"{TITAN_8B}; float8 tensorwise with float8 all-gather"),
     Published("torchtitan T3: Llama-3.1-8B, 128 GPUs, FSDP", TORCHTITAN_BENCH,
               "128 GPUs ... | FSDP | 5,605 | 67.0 |", "reserved", 67.0, run=T3,
               inferred=TITAN_8B),
+    Published("torchtitan T3: + torch.compile", TORCHTITAN_BENCH,
+              "128 GPUs ... | FSDP + torch.compile | 6,514 | 62.0 |", "reserved", 62.0,
+              run=T3_COMPILED, inferred=f"{TITAN_8B}; per-block compile"),
+    Published("torchtitan T3: + compile + float8", TORCHTITAN_BENCH,
+              "128 GPUs ... | FSDP + torch.compile + Float8 | 8,380 | 61.8 |", "reserved", 61.8,
+              run=_float8(T3_COMPILED),
+              inferred=f"{TITAN_8B}; float8 tensorwise with float8 all-gather"),
     Published("torchtitan T2: 8B, seq 32768, full AC, compile, float8", TORCHTITAN_BENCH,
-              "| FSDP 8, CP 1 | 32768 | 3,890 | 83.9 |", "reserved", 83.9,
-              missing="compiled runs' memory; float8 linears"),
+              "| FSDP 8, CP 1 | 32768 | 3,890 | 83.9 |", "reserved", 83.9, run=T2,
+              inferred="local batch 1 (the table's), full AC (block), per-block compile, "
+                       "float8 tensorwise with float8 all-gather; otherwise as T1"),
     # FSDP 32 x TP 8 itself is expressible: results/2026-12-04-tp-70b-estimate.txt.
     Published("torchtitan T4: Llama-3.1-70B, 256 GPUs, FSDP 32 x TP 8", TORCHTITAN_BENCH,
-              "| 2D | 829 | 71.9 |", "reserved", 71.9, run=ROW_70B, missing="float8 linears",
+              "| 2D | 829 | 71.9 |", "reserved", 71.9, run=ROW_70B,
+              missing="float8 linears with tensor parallelism (not yet)",
               inferred="local batch 16, seq 8192, full AC, per-block compile, bf16 with fp32 "
                        f"reduction, clipping 1.0, fused AdamW; {TORCHTITAN_RESHARD}; "
                        "expandable segments; 8 GPUs per node"),
@@ -209,7 +242,14 @@ ROWS = [
               missing="compiled runs' memory (the eager estimate is an upper bound)"),
     Published("torchao float8 README: Llama3-8B bf16, 8 GPUs, op SAC, compile", TORCHAO,
               "| Llama3-8b | none (bfloat16) | per op SAC | 47.65 |", "reserved", 47.65,
-              missing="compiled runs' memory (the eager estimate is an upper bound)"),
+              run=TORCHAO_8B, inferred=TORCHAO_RUNS, torch="2.7"),
+    Published("torchao float8 README: tensorwise, float8 all-gather", TORCHAO,
+              "| Llama3-8b | tensorwise with float8 all-gather | per op SAC | 47.77 |",
+              "reserved", 47.77, run=_float8(TORCHAO_8B), inferred=TORCHAO_RUNS, torch="2.7"),
+    Published("torchao float8 README: rowwise, bf16 all-gather", TORCHAO,
+              "| Llama3-8b | rowwise with bfloat16 all-gather | per op SAC | 47.79 |",
+              "reserved", 47.79, run=_float8(TORCHAO_8B, "rowwise"), inferred=TORCHAO_RUNS,
+              torch="2.7"),
     Published("llama-recipes 120: Llama-2-70B, 16 A100s, FSDP1 pure bf16", LLAMA_RECIPES,
               "42 GB allocated, 63 GB reserved", "reserved", 63.0,
               missing="FSDP1 (the tool runs FSDP2)"),

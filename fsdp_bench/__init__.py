@@ -8,9 +8,19 @@ use, so `import fsdp_bench` (done by every rank's worker) stays light.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fsdp_bench._version import __version__
+
+# torchao (imported by train.float8, and by transformers whenever it is installed) warns on
+# import about its optional CUDA kernels built for another torch, and torch's pytree about the
+# enums torchao registers: noise on every command's stderr and every rank's log, about code
+# fsdp-bench does not use (float8 training runs torchao's Python path and torch._scaled_mm).
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "natively supported by torch.compile" not in record.getMessage()
+)
 
 if TYPE_CHECKING:
     from fsdp_bench.config import expand as expand

@@ -265,6 +265,10 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             ),
             train=TrainConfig(optimizer_impl="for_loop", max_grad_norm=0.5, accumulation_steps=2),
         ),
+        RunConfig(
+            fsdp=FsdpConfig(mixed_precision="bf16", float8_all_gather=True),
+            train=TrainConfig(float8="tensorwise"),
+        ),
     ],
     ids=[
         "block-bf16-prefetch",
@@ -273,6 +277,7 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         "ddp",
         "torchtitan-like",
         "every-2-clipped",
+        "float8-all-gather",
     ],
 )
 def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
@@ -309,6 +314,8 @@ def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
     every = checkpointed_every(run.fsdp.activation_checkpointing)
     want = 0 if run.fsdp.activation_checkpointing == "none" else 4 // (every or 1)
     assert len(wrapped) == want
+    float8 = [m for m in trained.modules() if type(m).__name__ == "Float8Linear"]
+    assert len(float8) == (28 if run.train.float8 != "none" else 0)
 
 
 def test_search_settings_are_validated(tmp_path: Path) -> None:

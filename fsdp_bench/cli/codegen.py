@@ -29,6 +29,7 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
             ")",
         ]
     lines += _mesh_and_options(run, device)
+    lines += _float8_code(run)
     lines += _tensor_parallel_code(run)
     if run.model.dtype == "bf16":
         lines.append("model.to(torch.bfloat16)  # bf16 storage: no fp32 master weights")
@@ -46,6 +47,33 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
     lines += _step_code(run, "model.set_requires_gradient_sync", run.tp_size > 1)
     # the pieces below write the blocks as `model.layers`, the presets' list
     return "\n".join(lines).replace("model.layers", blocks) + "\n"
+
+
+def _float8_code(run: RunConfig) -> list[str]:
+    """torchao's float8 linears in the blocks, first of all (`job/parallel/float8.py`)."""
+    recipe = run.train.float8
+    if recipe == "none":
+        return []
+    gather = run.fsdp.float8_all_gather
+    config = (
+        "Float8LinearConfig(enable_fsdp_float8_all_gather=True)"  # tensorwise is the default
+        if gather
+        else f'Float8LinearConfig.from_recipe_name("{recipe}")'
+    )
+    return [
+        "from torchao.float8 import Float8LinearConfig, convert_to_float8_training"
+        + (
+            "\nfrom torchao.float8 import precompute_float8_dynamic_scale_for_fsdp"
+            if gather
+            else ""
+        ),
+        "in_blocks = {id(m) for block in model.layers for m in block.modules()}",
+        "convert_to_float8_training(  # the blocks' Linears whose dimensions divide by 16",
+        f"    model, config={config},",
+        "    module_filter_fn=lambda m, name: id(m) in in_blocks",
+        "    and m.in_features % 16 == 0 and m.out_features % 16 == 0,",
+        ")",
+    ]
 
 
 def _fsdp_imports(run: RunConfig) -> list[str]:
@@ -263,6 +291,8 @@ def _step_code(run: RunConfig, sync_setter: str | None, sharded_logits: bool = F
     """The step; `sharded_logits`: the loss and its backward under `loss_parallel`."""
     k = run.train.accumulation_steps
     update = [*_clip_code(run.train.max_grad_norm), "optimizer.step()", "optimizer.zero_grad()"]
+    if run.fsdp.float8_all_gather and sync_setter:
+        update.append("precompute_float8_dynamic_scale_for_fsdp(model)  # one all-reduce")
     loss = "loss_fn(model(inputs), targets)" + (f" / {k}" if k > 1 else "")
     backward = (
         ["with loss_parallel():  # the loss on logits split by vocabulary",

@@ -64,6 +64,10 @@ class FsdpConfig:
     multiple of N, torchtitan's selective per layer, e.g. every_2); selective_op (inside
     every block, the outputs of matmuls but every second one, attention and reduce-scatters
     are saved and the rest recomputed: torchtitan's selective per op)."""
+    float8_all_gather: bool = False
+    """With train.float8 tensorwise: all-gather the float8 weights already cast (half of
+    bf16's bytes) and compute their scales in one all-reduce after the optimizer step
+    (torchao's enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp)."""
     shard_group_size: int | None = None
     """hsdp: ranks that hold one replica (shard it, and with tp_size split it too); None: the
     processes of one node."""
@@ -104,6 +108,7 @@ FSDP_ONLY_FIELDS = (
     "prefetch",
     "reduce_dtype",
     "cpu_offload",
+    "float8_all_gather",
     "shard_group_size",
 )
 """The FsdpConfig fields DDP has no use for: reset under DDP (`RunConfig.canonical`) and shown
@@ -135,6 +140,11 @@ class TrainConfig:
     activation checkpointing and before fully_shard, as torchtitan does) or model (the whole
     model; FSDP2's hooks run eagerly between the compiled pieces). Warm-up pays the
     compilation; the record keeps it as compile_s."""
+    float8: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
+    """Float8 linears (torchao): the blocks' Linears whose dimensions are multiples of 16 run
+    their matmuls in float8 with dynamic scales per tensor, per row, or per row with the
+    weight gradient in high precision; the embedding and output projection stay in high
+    precision (torchtitan's filter). MFU stays against the bf16 peak (torchtitan's way)."""
     expandable_segments: bool = False
     """CUDA's caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:True): one segment per stream that maps pages as it grows, instead
@@ -235,6 +245,7 @@ class RunConfig:
             )
         if self.tp_size != 1:
             check_tensor_parallel(self)
+        self._check_float8()
         if not 0 <= self.fault.rank < self.world_size:
             raise CombinationError(
                 "fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}"
@@ -248,6 +259,19 @@ class RunConfig:
                     self.fsdp.grouping,
                     f"K must be at most the model's {n_layers} blocks",
                 )
+
+    def _check_float8(self) -> None:
+        if self.fsdp.float8_all_gather and self.train.float8 != "tensorwise":
+            raise CombinationError(
+                "fsdp.float8_all_gather",
+                True,
+                "needs train.float8: tensorwise (torchao gathers float8 weights with "
+                f"tensorwise scales only), not {self.train.float8}",
+            )
+        if self.train.float8 != "none" and self.tp_size > 1:
+            raise CombinationError(
+                "train.float8", self.train.float8, "runs with tp_size 1 only (for now)"
+            )
 
     @property
     def nodes(self) -> int:

@@ -175,7 +175,9 @@ def _throughput(
     flops_per_token = where.flops.flops_per_token
     tf32 = run.train.fp32_matmul == "tf32"
     on_cuda = where.device.type == "cuda"
-    peak = peak_flops(device_name, run.fsdp.mixed_precision, tf32) if on_cuda else None
+    float8 = run.train.float8 != "none"  # against the bf16 peak, as torchtitan states it
+    precision = "bf16" if float8 else run.fsdp.mixed_precision
+    peak = peak_flops(device_name, precision, tf32) if on_cuda else None
     mfu = None
     if peak and flops_per_token:
         mfu = flops_per_token * tokens_per_s / run.world_size / peak.flop_s
@@ -192,7 +194,11 @@ def _throughput(
         "timed_repeats": steps // run.measure.timed_steps,
         "mfu": mfu,
         **where.flops._asdict(),
-        "peak_flops_source": peak.source if peak else None,
+        "peak_flops_source": (
+            f"{peak.source}{' (a float8 run, against the bf16 peak)' if float8 else ''}"
+            if peak
+            else None
+        ),
         "timed_s": sum(slowest),
     }
 

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, one_line
 from fsdp_bench.job.model.zoo import logits_of
+from fsdp_bench.job.parallel.float8 import precompute_scales
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]
@@ -202,7 +204,9 @@ def make_train_step(
     mark: Mark | None = None,
 ) -> Callable[[], None]:
     """One optimizer step as a closure: the exact code the timed loop runs (with `mark`,
-    the same step with each phase wrapped, for a profiled step)."""
+    the same step with each phase wrapped, for a profiled step). With float8 all-gather, the
+    step ends by computing the next gathers' scales; not under fake tensors (the memory
+    simulation), where torchao 0.18 cannot (a DTensor's truth value in its flatten)."""
     micro_batches = forward_backward(
         model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark,
         sharded_logits=run.tp_size > 1,
@@ -212,11 +216,15 @@ def make_train_step(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     foreach = run.train.optimizer_impl != "for_loop"
 
+    precompute = run.fsdp.float8_all_gather and detect_fake_mode() is None
+
     def update() -> None:
         if max_norm is not None:
             clip_gradients(params, max_norm, foreach)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if precompute:
+            precompute_scales(model)
 
     def train_step() -> None:
         micro_batches()

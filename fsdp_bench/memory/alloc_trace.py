@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -228,26 +228,33 @@ class _Recorder(TorchDispatchMode):
 
     def _register_outputs(self, out: Any, tag: int | None) -> None:
         for tensor in tree_leaves(out):
-            storage = self._storage(tensor)
-            if storage is not None and storage not in self._token:
-                self._register(storage, tag)
+            for storage in self._storages(tensor):
+                if storage not in self._token:
+                    self._register(storage, tag)
 
     def _common_tag(self, inputs: Any) -> int | None:
         """The block of the tensors among `inputs`, if they are of one block."""
         found = set()
         for tensor in tree_leaves(inputs):
-            storage = self._storage(tensor)
-            if storage is not None and storage in self._token:
-                tag = self._tag.get(self._token[storage])
-                if tag is not None:
-                    found.add(tag)
+            for storage in self._storages(tensor):
+                if storage in self._token:
+                    tag = self._tag.get(self._token[storage])
+                    if tag is not None:
+                        found.add(tag)
         return found.pop() if len(found) == 1 else None
 
     @staticmethod
-    def _storage(tensor: Any) -> Any:
-        if isinstance(tensor, DTensor):  # its local shard, made out of this mode's sight
-            tensor = tensor._local_tensor
-        return tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+    def _storages(tensor: Any) -> list[Any]:
+        """The storages that hold `tensor`'s memory: a wrapper subclass's are its inner
+        tensors' (a DTensor's local shard; torchao's float8 weights and their float8 casts),
+        the wrapper's own has no memory of its own: counted, it doubled every float8
+        weight, its gradient and optimizer state."""
+        if not isinstance(tensor, torch.Tensor):
+            return []
+        if is_traceable_wrapper_subclass(tensor):
+            inner, _ = tensor.__tensor_flatten__()
+            return [s for name in inner for s in _Recorder._storages(getattr(tensor, name))]
+        return [tensor.untyped_storage()]
 
     def _stream(self) -> str:
         stream = torch.cpu.current_stream()
@@ -308,17 +315,15 @@ class _Recorder(TorchDispatchMode):
         """Name the allocations of `tensors`' storages (as alive now) `category`; with `tag`,
         also tag them with that block (parameters once materialised)."""
         for tensor in tree_leaves(tensors):
-            storage = self._storage(tensor)
-            if storage is None or storage not in self._token:
-                continue
-            token = self._token[storage]
-            key = self._key.get(token)
-            if key is None:
-                continue
-            self.trace.categories[key] = category
-            if tag is not None:
-                self._tag[token] = tag
-                self.trace.tags[self._event[key]] = tag
+            for storage in self._storages(tensor):
+                token = self._token.get(storage)
+                key = None if token is None else self._key.get(token)
+                if token is None or key is None:
+                    continue
+                self.trace.categories[key] = category
+                if tag is not None:
+                    self._tag[token] = tag
+                    self.trace.tags[self._event[key]] = tag
 
     def mark(self, name: str) -> None:
         self.trace.marks[name] = len(self.trace.events)

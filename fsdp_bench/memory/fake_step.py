@@ -127,7 +127,7 @@ def _simulated_model(
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
         use_cuda_kernels(bundle.module, device_type)
-        model, _ = wrap_on_meta(bundle, run, mesh, device)
+        model, _ = wrap_on_meta(bundle, run, mesh, device, target_device_type=device_type)
         yield model, bundle, device
 
 

@@ -119,8 +119,9 @@ def _contended_note(run: pd.Series) -> str:
 
 
 def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
-    """For each axis and each of its values: tokens/s and peak memory relative to the axis's
-    baseline value, in runs identical in everything else (world size included).
+    """For each axis and each of its values: tokens/s, peak memory and all-gather bytes per
+    step relative to the axis's baseline value, in runs identical in everything else (world
+    size included).
 
     The median ratio over those matched pairs is the effect; `pairs` says how many there were
     (0: no run with this value has a twin at the baseline, so no effect is claimed). The
@@ -135,10 +136,12 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
         "tokens_per_s_ratio_ci",
         "differs_from_1",
         "peak_memory_ratio",
+        "all_gather_bytes_ratio",
     ]
     ok = ok_runs(df)
-    ok = ok.assign(**{c: pd.to_numeric(ok[c]) if c in ok else math.nan for c in CI_COLUMNS})
-    measured = ["tokens_per_s", "peak_memory_gib", *CI_COLUMNS]
+    numeric = [*CI_COLUMNS, "all_gather_bytes_per_step"]
+    ok = ok.assign(**{c: pd.to_numeric(ok[c]) if c in ok else math.nan for c in numeric})
+    measured = ["tokens_per_s", "peak_memory_gib", *numeric]
     rows: list[dict[str, Any]] = []
     identity = config_columns(df)
     for axis in varying(ok, [c for c in EFFECT_AXES if c in df.columns]):
@@ -167,6 +170,10 @@ def axis_effects(df: pd.DataFrame) -> pd.DataFrame:
                     **_ratio_interval(matched),
                     "peak_memory_ratio": _median_ratio(
                         matched["peak_memory_gib"], matched["peak_memory_gib_base"]
+                    ),
+                    "all_gather_bytes_ratio": _median_ratio(
+                        matched["all_gather_bytes_per_step"],
+                        matched["all_gather_bytes_per_step_base"],
                     ),
                 }
             )

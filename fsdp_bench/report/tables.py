@@ -52,6 +52,7 @@ HEADERS = {
     "efficiency": "scaling efficiency",
     "tokens_per_s_ratio": "tokens/s ratio",
     "peak_memory_ratio": "peak memory ratio",
+    "all_gather_bytes_ratio": "all-gather bytes ratio",
     "parity_ok": "parity",
     "estimate_fits": "fits (estimate)",
     "checkpoint_save_s": "ckpt-save-s",
@@ -111,6 +112,7 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "efficiency": _percent(0),
     "tokens_per_s_ratio": _num("{:.2f}×"),
     "peak_memory_ratio": _num("{:.2f}×"),
+    "all_gather_bytes_ratio": _num("{:.3f}×"),
     **{f"tokens_per_s_{side}": _num("{:,.0f}") for side in "ab"},
     **{f"peak_memory_gib_{side}": _num("{:.3f}") for side in "ab"},
     "all_gathers_per_step": _num("{:.0f}"),
@@ -217,15 +219,19 @@ def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
     )  # fmt: skip
     shown_columns = ["axis", "change", "pairs", "tokens_per_s_ratio"]
     shown_columns += [c for c in ("tokens_per_s_ratio_ci", "differs_from_1") if c in table]
+    shown_columns.append("peak_memory_ratio")
+    if "all_gather_bytes_ratio" in table and table["all_gather_bytes_ratio"].notna().any():
+        shown_columns.append("all_gather_bytes_ratio")
     notes = ["note"] if table["note"].any() else []
     return shown(
-        table[[*shown_columns, "peak_memory_ratio", *notes]],
+        table[[*shown_columns, *notes]],
         {
             "pairs": "matched pairs",
             "tokens_per_s_ratio": "tokens/s ×",
             "tokens_per_s_ratio_ci": "tokens/s × interval",
             "differs_from_1": "differs from 1×",
             "peak_memory_ratio": "peak memory ×",
+            "all_gather_bytes_ratio": "all-gather bytes ×",
         },
     )
 

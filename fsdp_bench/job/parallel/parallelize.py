@@ -11,6 +11,7 @@ import fnmatch
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -26,6 +27,7 @@ from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import ModelBundle, initialize
 from fsdp_bench.job.parallel.activation_checkpointing import apply_checkpointing
+from fsdp_bench.job.parallel.float8 import convert_to_float8, gather_float8_as_bytes
 from fsdp_bench.job.parallel.post_forward_mesh import shared_post_forward_meshes
 from fsdp_bench.job.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -81,10 +83,18 @@ def wrap_on_meta(
     mesh: DeviceMesh,
     device: torch.device,
     compile_modules: bool = False,
+    target_device_type: str | None = None,
 ) -> tuple[nn.Module, ShardPlan]:
-    """Tensor parallelism, activation checkpointing, torch.compile (`compile_modules`; the
-    memory simulation runs eager) and fully_shard, still on the meta device (no memory
-    yet). With TP, `mesh` is (shard, tp): fully_shard takes its shard dimension."""
+    """Float8 linears (emulated when the run is on the CPU: `target_device_type`, by default
+    `device`'s), tensor parallelism, activation checkpointing, torch.compile
+    (`compile_modules`; the memory simulation runs eager) and fully_shard, still on the meta
+    device (no memory yet), in torchtitan's order. With TP, `mesh` is (shard, tp):
+    fully_shard takes its shard dimension."""
+    if run.train.float8 != "none":
+        emulate = (target_device_type or device.type) == "cpu"
+        convert_to_float8(
+            bundle.module, bundle.blocks, run.train.float8, run.fsdp.float8_all_gather, emulate
+        )
     if run.tp_size > 1:
         apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel)
         mesh = mesh[run.mesh_dim_names[:-1]]  # (replicate,) shard: FSDP2's (HSDP's) mesh
@@ -97,6 +107,8 @@ def wrap_on_meta(
             plan = plan_groups(bundle, str(run.fsdp.grouping))
             _measure_groups(plan, model, run.fsdp, run.shard_group_size)
             _fully_shard_groups(plan, model, run.fsdp, mesh, device)
+            if run.fsdp.float8_all_gather and dist.get_backend(mesh.get_group(-1)) == "gloo":
+                gather_float8_as_bytes(model)
         case "ddp":
             plan = ShardPlan([_root_group(model)])
             _measure_groups(plan, model, run.fsdp, 1)
