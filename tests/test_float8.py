@@ -29,7 +29,7 @@ def float8_linears(module: nn.Module) -> list[str]:
 
 def test_the_blocks_linears_are_converted_and_the_output_projection_is_not() -> None:
     bundle = build_model(ModelConfig(name="tiny"), "cpu")
-    converted = convert_to_float8(bundle.module, bundle.blocks, "tensorwise", True, True)
+    converted = convert_to_float8(bundle.module, bundle.blocks, "tensorwise", True, "cpu")
     names = float8_linears(bundle.module)
     assert converted == len(names) == 7 * 4  # q, k, v, o, w1, w2, w3 in each of 4 blocks
     assert all(name.startswith("layers.") for name in names), names
@@ -39,7 +39,7 @@ def test_a_linear_whose_dimensions_are_not_multiples_of_16_stays_high_precision(
     blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 24))])
     module = nn.Sequential(blocks, nn.Linear(24, 32))
     bundle = ModelBundle(module=module, blocks=list(blocks), vocab_size=32)
-    assert convert_to_float8(bundle.module, bundle.blocks, "rowwise", False, True) == 1
+    assert convert_to_float8(bundle.module, bundle.blocks, "rowwise", False, "cpu") == 1
     assert float8_linears(module) == ["0.0.0"]
 
 
@@ -83,10 +83,10 @@ def test_a_float8_sweep_verifies_halves_the_gathered_weight_bytes_and_is_estimat
     bf16, gathered = by[("none", False, "bf16")], by[("tensorwise", True, "bf16")]
 
     bundle = build_model(ModelConfig(name="tiny"), "cpu")
-    count = convert_to_float8(bundle.module, bundle.blocks, "tensorwise", True, True)
-    converted = sum(
-        m.weight.numel() for m in bundle.module.modules() if hasattr(m, "config")
-    )  # the Float8Linears' weights, every element of which each rank gathers
+    count = convert_to_float8(bundle.module, bundle.blocks, "tensorwise", True, "cpu")
+    converted = sum(  # the Float8Linears' weights, every element of which each rank gathers
+        bundle.module.get_submodule(name).weight.numel() for name in float8_linears(bundle.module)
+    )
     gathers_per_step = 2  # resharded after forward: gathered for forward and for backward
     saved = bf16.all_gather_bytes_per_step - gathered.all_gather_bytes_per_step
     assert saved == converted * (2 - 1) * gathers_per_step

@@ -269,6 +269,7 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             fsdp=FsdpConfig(mixed_precision="bf16", float8_all_gather=True),
             train=TrainConfig(float8="tensorwise"),
         ),
+        RunConfig(strategy="ddp", train=TrainConfig(float8="rowwise")),
     ],
     ids=[
         "block-bf16-prefetch",
@@ -278,6 +279,7 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         "torchtitan-like",
         "every-2-clipped",
         "float8-all-gather",
+        "ddp-float8",
     ],
 )
 def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:

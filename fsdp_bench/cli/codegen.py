@@ -279,6 +279,7 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
     lines = [
         "from torch.nn.parallel import DistributedDataParallel",
         "",
+        *_float8_code(run),
         f"model = {wrap}",
         _optimizer_code(run),
     ]
@@ -291,7 +292,7 @@ def _step_code(run: RunConfig, sync_setter: str | None, sharded_logits: bool = F
     """The step; `sharded_logits`: the loss and its backward under `loss_parallel`."""
     k = run.train.accumulation_steps
     update = [*_clip_code(run.train.max_grad_norm), "optimizer.step()", "optimizer.zero_grad()"]
-    if run.fsdp.float8_all_gather and sync_setter:
+    if run.fsdp.float8_all_gather and run.strategy != "ddp":  # DDP gathers nothing
         update.append("precompute_float8_dynamic_scale_for_fsdp(model)  # one all-reduce")
     loss = "loss_fn(model(inputs), targets)" + (f" / {k}" if k > 1 else "")
     backward = (

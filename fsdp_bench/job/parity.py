@@ -209,8 +209,7 @@ def _reference(run: RunConfig, device: torch.device) -> ModelBundle:
     weights cast from high precision, as an all-gather in bf16 would give them)."""
     bundle = build_model(run.model, device.type)
     if run.train.float8 != "none":
-        emulate = device.type == "cpu"
-        convert_to_float8(bundle.module, bundle.blocks, run.train.float8, False, emulate)
+        convert_to_float8(bundle.module, bundle.blocks, run.train.float8, False, device.type)
     materialize(bundle.module, device)
     return bundle
 

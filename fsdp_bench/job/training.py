@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError, one_line
 from fsdp_bench.job.model.zoo import logits_of
-from fsdp_bench.job.parallel.float8 import precompute_scales
+from fsdp_bench.job.parallel.float8 import scale_precompute
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]
@@ -216,15 +216,19 @@ def make_train_step(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     foreach = run.train.optimizer_impl != "for_loop"
 
-    precompute = run.fsdp.float8_all_gather and detect_fake_mode() is None
+    precompute = (
+        scale_precompute(model)
+        if run.fsdp.float8_all_gather and detect_fake_mode() is None
+        else None
+    )
 
     def update() -> None:
         if max_norm is not None:
             clip_gradients(params, max_norm, foreach)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if precompute:
-            precompute_scales(model)
+        if precompute is not None:
+            precompute()
 
     def train_step() -> None:
         micro_batches()

@@ -10,6 +10,8 @@ torchao is imported only when a run asks for float8, so a rank that does not pay
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ def _torchao_float8() -> Any:
     return float8
 
 
-def float8_filter(blocks: list[nn.Module]) -> Any:
+def float8_filter(blocks: list[nn.Module]) -> Callable[[nn.Module, str], bool]:
     """Which Linears become float8: those inside the blocks whose in and out features are
     multiples of 16. The embedding and the output projection are outside the blocks, so a
     Llama is converted as torchtitan converts it (its filter names `output`)."""
@@ -54,24 +56,25 @@ def float8_filter(blocks: list[nn.Module]) -> Any:
 
 
 def convert_to_float8(
-    module: nn.Module, blocks: list[nn.Module], recipe: str, all_gather: bool, emulate: bool
+    module: nn.Module, blocks: list[nn.Module], recipe: str, all_gather: bool, device_type: str
 ) -> int:
     """Swap the blocks' eligible Linears for torchao's Float8Linear in place, with the scaling
     `recipe` (tensorwise, rowwise, rowwise_with_gw_hp); the number converted.
 
-    `emulate` (CPU runs): torchao's emulation, the same float8 casts and scales with the
-    matmul in high precision. torch's CPU `_scaled_mm` exists but is slow: a forward and
-    backward of a 128x384 MLP on 256 tokens took 2.0 s tensorwise, 0.010 s emulated and
-    0.017 s in bf16 (measured here), so a CPU float8 run checks what is gathered, kept and
-    computed, not float8's speed."""
+    For a run on the CPU (`device_type`), torchao's emulation: the same float8 casts and
+    scales with the matmul in high precision. torch's CPU `_scaled_mm` exists but is slow: a
+    forward and backward of a 128x384 MLP on 256 tokens took 2.0 s tensorwise, 0.010 s
+    emulated and 0.017 s in bf16 (measured here), so a CPU float8 run checks what is
+    gathered, kept and computed, not float8's speed."""
     float8 = _torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
+    config = dataclasses.replace(
+        config, enable_fsdp_float8_all_gather=all_gather, emulate=device_type == "cpu"
+    )
+    float8.convert_to_float8_training(module, module_filter_fn=float8_filter(blocks), config=config)
     from torchao.float8.float8_linear import Float8Linear
 
-    before = sum(isinstance(m, Float8Linear) for m in module.modules())
-    float8.convert_to_float8_training(module, module_filter_fn=float8_filter(blocks), config=config)
-    return sum(isinstance(m, Float8Linear) for m in module.modules()) - before
+    return sum(isinstance(m, Float8Linear) for m in module.modules())
 
 
 class ByteViewAllGather(DefaultAllGather):
@@ -100,7 +103,7 @@ def gather_float8_as_bytes(model: nn.Module) -> None:
             module.set_custom_all_gather(ByteViewAllGather())
 
 
-def precompute_scales(model: nn.Module) -> None:
-    """After the optimizer step: the float8 weights' scales for the next step's all-gathers,
-    from one all-reduce of their amaxes."""
-    _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+def scale_precompute(model: nn.Module) -> Callable[[], None]:
+    """What the step runs after the optimizer: the float8 weights' scales for the next step's
+    all-gathers, from one all-reduce of their amaxes (looked up once, not every step)."""
+    return functools.partial(_torchao_float8().precompute_float8_dynamic_scale_for_fsdp, model)

@@ -1,8 +1,9 @@
 """Apply a run's parallelism to a meta-device model: FSDP2 (fully_shard) or the DDP baseline.
 
-The FSDP2 path is the usual one: activation checkpointing first, then `fully_shard` on each
-group bottom-up, the root last, explicit prefetch wired between groups, and only then the
-parameters are materialised shard by shard (seed 000, sections 04-11).
+The FSDP2 path is the usual one (torchtitan's order): float8 linears, tensor parallelism and
+activation checkpointing first, then `fully_shard` on each group bottom-up, the root last,
+explicit prefetch wired between groups, and only then the parameters are materialised shard
+by shard (seed 000, sections 04-11).
 """
 
 from __future__ import annotations
@@ -91,9 +92,12 @@ def wrap_on_meta(
     device (no memory yet), in torchtitan's order. With TP, `mesh` is (shard, tp):
     fully_shard takes its shard dimension."""
     if run.train.float8 != "none":
-        emulate = (target_device_type or device.type) == "cpu"
         convert_to_float8(
-            bundle.module, bundle.blocks, run.train.float8, run.fsdp.float8_all_gather, emulate
+            bundle.module,
+            bundle.blocks,
+            run.train.float8,
+            run.fsdp.float8_all_gather,
+            target_device_type or device.type,
         )
     if run.tp_size > 1:
         apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel)
