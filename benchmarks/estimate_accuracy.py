@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 
 from fsdp_bench import load_results
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid import load_grid
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.memory.simulate import simulate
 from fsdp_bench.report.tables import varying_axes
 from fsdp_bench.sweep import SweepOptions, run_sweep

@@ -41,12 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.gpus import CUBLAS_HANDLES, CUBLAS_WORKSPACE_SM90_BYTES
 from fsdp_bench.config.grid import expand, parse_grid
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.memory import error_model
 from fsdp_bench.memory.calibration import Calibration
+from fsdp_bench.memory.compiled import compiled_as
 from fsdp_bench.memory.estimate import RunEstimate, estimate_run
 from fsdp_bench.memory.prediction import Prediction
 from fsdp_bench.store import GIB
@@ -305,9 +307,10 @@ class Compared:
 def compare(label: str, run: RunConfig, quantity: str, gib: float, estimate: RunEstimate,
             gpu: str, apart: str = "") -> Compared:  # fmt: skip
     """The published or measured `gib` of `quantity` beside the prediction's interval. A
-    compiled run is estimated as eager (its band `error_model.COMPILED`): apart."""
-    if run.train.compile != "none" and not apart:
-        apart = "compiled, estimated as eager"
+    compiled run with tensor parallelism is estimated as eager (`error_model.COMPILED`):
+    apart."""
+    if compiled_as(run) == "eager" and not apart:
+        apart = "compiled with tensor parallelism, estimated as eager"
     prediction = estimate.predict(Calibration(gpu=gpu), run)
     assert prediction.errors is not None, estimate.error
     if quantity == "active":  # at least allocated, at most that and the recorded buffers
@@ -500,7 +503,12 @@ def world_size_table() -> None:
 def main() -> int:
     published = published_rows()
     print_table("Published runs", published)
-    headline("published, eager", published)
+    compiled = {row.run.run_id for row in ROWS if row.run and row.run.train.compile != "none"}
+    headline("published, eager", [r for r in published if r.run_id not in compiled])
+    headline(
+        "published, compiled (simulated from the partition)",
+        [r for r in published if r.run_id in compiled],
+    )
     measured = measured_rows()
     print()
     print_table(
@@ -512,7 +520,9 @@ def main() -> int:
     fragmentation("torch < 2.8 (published)", published, error_model.RECORDED_STREAMS)
     print(
         f"tensors: -{error_model.TENSORS.below:.0%} / +{error_model.TENSORS.above:.0%}; "
-        f"compile: -{error_model.COMPILED.below:.0%} / +{error_model.COMPILED.above:.0%}"
+        f"compiled (partition): -{error_model.PARTITIONED.below:.0%} / "
+        f"+{error_model.PARTITIONED.above:.0%}; compiled with TP (as eager): "
+        f"-{error_model.COMPILED.below:.0%} / +{error_model.COMPILED.above:.0%}"
     )
     sources()
     world_size_table()

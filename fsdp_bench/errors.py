@@ -75,11 +75,12 @@ def unknown_key(key: object, valid: Sequence[str], at: str | None = None) -> Fie
 
 
 def _closest(name: str, keys: Sequence[str]) -> list[str]:
-    """The key of a section that `name` begins (a truncated key), or the closest spelling."""
+    """The key of a section that `name` begins (a truncated key; the first declared of
+    several), or the closest spelling."""
     by_name = {k.rpartition(".")[2]: k for k in keys}
     begun = [k for n, k in by_name.items() if name and n.startswith(name)]
     close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=0.6)
-    return begun[:1] if len(begun) == 1 else [by_name[c] for c in close]
+    return begun[:1] if begun else [by_name[c] for c in close]
 
 
 class CombinationError(FieldError):

@@ -10,7 +10,7 @@ Layout of a results folder (`results/<grid name>/` by default):
     grid.yaml                 the grid as it was given, for provenance
 
 One file per run: no two writers ever touch the same file, on one machine or over a shared
-filesystem, and a crash can lose at most the run that was executing."""
+filesystem; a crash can lose at most the run that was executing."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from fsdp_bench.config.run import FSDP_ONLY_FIELDS, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import field_paths, to_plain
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ class RunResult:
     """The row of the peak-FLOPS table MFU was computed against (device, dtype, TFLOPS)."""
     # Memory (max over ranks)
     peak_memory_gib: float | None = None
-    """CUDA: max_memory_allocated over the timed steps. CPU: the tracked tensor peak."""
+    """CUDA: max_memory_allocated over the timed steps. CPU: the tracked tensor peak, or for a
+    compiled run the CPU allocator's in the profiled step (`peak_memory_source`)."""
     peak_reserved_gib: float | None = None
     device_used_peak_gib: float | None = None
     """CUDA: device memory in use after the timed steps (largest rank), from the driver: the
@@ -353,7 +354,6 @@ CONFIG_COLUMNS = [
 """The columns that identify a configuration, in RunConfig order (`nodes` derived)."""
 MODEL_COLUMNS = [c for p, c in COLUMN_OF_PATH.items() if p.startswith("model.")]
 FAULT_COLUMNS = [c for p, c in COLUMN_OF_PATH.items() if p.startswith("fault.")]
-FSDP_ONLY_COLUMNS = list(FSDP_ONLY_FIELDS)
 
 
 def result_row(result: RunResult) -> dict[str, Any]:

@@ -64,6 +64,9 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     launcher = make_launcher(spec.launcher, store.jobs_dir)
     for shape in sorted({(r.world_size, r.nodes) for r in runs}):
         launcher.check(*shape)
+    device_type = target_device(spec.launcher)
+    for run in runs:
+        run.check_device(device_type)
     ledger = Ledger(store.jobs_dir / "ledger.json")
     watched = _reattach(ledger, launcher, {r.run_id: r for r in runs})
     if launcher.kind == "local":  # nothing computes beside a run an earlier driver left timing
@@ -90,7 +93,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions) -> SweepOutcome:
     busy = {r.run_id for w in watched for r in w.runs}
     todo = [r for r in runs if r.run_id not in done and r.run_id not in busy]
     started = time.perf_counter()
-    estimates = _estimate(todo, store, target_device(spec.launcher), options.progress)
+    estimates = _estimate(todo, store, device_type, options.progress)
     outcome.estimate_s = time.perf_counter() - started
 
     passes = max((run.measure.rounds for run in todo), default=1)

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.memory.alloc_trace import DEFAULT_STREAM
 from fsdp_bench.memory.allocator import CachingAllocator, OutOfMemory, round_size
 from fsdp_bench.memory.fake_step import record_step

@@ -14,8 +14,9 @@ import pandas as pd
 import pytest
 
 from fsdp_bench import load_results
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid import expand, load_grid
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
 from tests.conftest import sweep, tiny_grid
 
@@ -251,3 +252,48 @@ def test_practitioners_settings_run_verify_and_estimate(tmp_path: Path) -> None:
     activations = {name: row[name].memory_breakdown_gib.get("activation", 0.0) for name in row}
     assert activations["block AC"] < activations["every_2 AC"] < activations["plain"]
     assert activations["selective_op AC"] < activations["plain"]
+
+
+def test_fsdp2_communication_knobs_run_verify_count_and_estimate(tmp_path: Path) -> None:
+    """FSDP2's newer knobs under HSDP (2 replicas of 2 ranks, 2 micro-batches, tiny: 5
+    groups): each trains correctly and is estimated within 5% of its tracked peak. The counts
+    are exact: HSDP reduce-scatters and all-reduces every group every micro-batch (10 and 10);
+    all_reduce_last all-reduces once a step (10 and 5); parameters kept unsharded after the
+    first backward spare the second micro-batch's forward all-gathers but the root's (13
+    instead of 18); the staging and overlap knobs change none of it."""
+    settings = {
+        "plain": {"data.seed": 0},
+        "all_reduce_last": {"train.grad_sync": "all_reduce_last"},
+        "reshard after last": {"fsdp.reshard_after_backward": "last"},
+        "staging": {
+            "fsdp.reduce_scatter_buffers": 2,
+            "fsdp.separate_reduce_scatter_group": True,
+            "fsdp.comm_buffers_from_process_group": True,
+        },
+        "uncast inputs": {"fsdp.cast_forward_inputs": False, "fsdp.mixed_precision": "bf16"},
+    }
+    axes = [{key: [value] for key, value in change.items()} for change in settings.values()]
+    grid = tiny_grid(
+        "fsdp2-knobs",
+        axes,
+        world_size=4,
+        strategy="hsdp",
+        fsdp={"shard_group_size": 2},
+        train={"accumulation_steps": 2},
+    )
+    _, df = sweep(tmp_path, grid, verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["run_id", "status", "reason"]]
+    error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
+    assert (error < 0.05).all(), df[["run_id", "estimated_peak_gib", "tracked_peak_gib"]]
+    runs = expand(load_grid(tmp_path / "fsdp2-knobs.yaml")).runs
+    by_id = df.set_index("run_id")
+    counts = {
+        name: tuple(
+            int(by_id.loc[run.run_id, c])
+            for c in ("all_gathers_per_step", "reduce_scatters_per_step", "all_reduces_per_step")
+        )
+        for name, run in zip(settings, runs, strict=True)
+    }
+    assert counts["plain"] == counts["staging"] == counts["uncast inputs"] == (18, 10, 10)
+    assert counts["all_reduce_last"] == (18, 10, 5)
+    assert counts["reshard after last"] == (13, 10, 10)

@@ -9,10 +9,11 @@ from typing import Any
 import optuna
 import pytest
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid import load_grid, parse_grid
 from fsdp_bench.config.grid_settings import SearchConfig
 from fsdp_bench.config.measure import MeasureConfig
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.search import open_study

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import yaml
 
 import fsdp_bench.sweep as sweep_module
 from fsdp_bench import load_results
@@ -297,7 +298,8 @@ def test_a_rerun_waits_for_the_job_a_killed_driver_left_before_computing(
 def test_the_quickstart_beside_a_cpu_burner_names_contention_and_claims_no_super_scaling(
     tmp_path: Path,
 ) -> None:
-    """The built-in quickstart with a burner on every core until six runs are recorded (of the
+    """The quickstart's scaling product (grouping x world size 1 and 2, two rounds), cut to
+    two groupings, with a burner on every core until three runs are recorded (of the
     world-size-1 job): the report's headline says how many runs were contended and what that
     makes of the sweep, and no scaling efficiency above 150% is given as a result (contended
     runs are not baselines; one still above is noted and not drawn). Before, a slowed
@@ -305,20 +307,24 @@ def test_the_quickstart_beside_a_cpu_burner_names_contention_and_claims_no_super
     from fsdp_bench.report import headline, summaries
     from fsdp_bench.report.build import load_inputs
 
+    quickstart = yaml.safe_load((REPO / "fsdp_bench" / "grids" / "quickstart.yaml").read_text())
+    quickstart["axes"] = [{"world_size": [1, 2], "fsdp.grouping": ["root", "block"]}]
+    grid = tmp_path / "quickstart.yaml"
+    grid.write_text(yaml.safe_dump(quickstart))
     burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(os.cpu_count() or 1)]
     runs = tmp_path / "qs" / "runs"
 
-    def stop_after_six_runs() -> None:
-        while len(list(runs.glob("*.json"))) < 6 and burners[0].poll() is None:
+    def stop_after_three_runs() -> None:
+        while len(list(runs.glob("*.json"))) < 3 and burners[0].poll() is None:
             time.sleep(0.2)
         for burner in burners:
             burner.kill()
 
-    threading.Thread(target=stop_after_six_runs, daemon=True).start()
+    threading.Thread(target=stop_after_three_runs, daemon=True).start()
     try:
-        done = subprocess.run([sys.executable, "-m", "fsdp_bench", "sweep", "--results",
-                               str(tmp_path / "qs")], capture_output=True, text=True,
-                              timeout=900, check=False)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "fsdp_bench", "sweep", str(grid),
+                               "--results", str(tmp_path / "qs")], capture_output=True,
+                              text=True, timeout=900, check=False)  # fmt: skip
     finally:
         for burner in burners:
             burner.kill()

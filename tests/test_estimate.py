@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 
 from fsdp_bench import load_results
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.memory.estimate import estimate_runs
 from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.simulate import simulate

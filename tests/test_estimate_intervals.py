@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid_settings import MemoryConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.memory.calibration import calibration
 from fsdp_bench.memory.device_memory import communicators, outside_terms_gib
@@ -101,8 +102,10 @@ def test_fits_is_yes_no_or_maybe_on_the_interval() -> None:
 
 
 def test_a_compiled_run_estimated_over_the_budget_is_never_yes() -> None:
-    """The eager estimate is not a bound for a compiled run: 89 GiB against a 40 GiB budget
-    was printed `fits yes`. Its interval now spans what compile did to published runs."""
+    """A compiled run's estimate is no bound: 89 GiB against a 40 GiB budget was printed
+    `fits yes`. Simulated from the partition, its interval adds what inductor does on a GPU
+    (±8%); with tensor parallelism, still estimated as eager, what compile did to published
+    runs (-25% / +15%)."""
     run = RunConfig(world_size=8, train=TrainConfig(compile="block"))
     prediction = estimate_of(run, 80.0, 89.0).predict(calibration(MemoryConfig(), None), run)
     assert fits(prediction, MemoryConfig(budget_gib=40.0)) == "no"
@@ -112,7 +115,12 @@ def test_a_compiled_run_estimated_over_the_budget_is_never_yes() -> None:
         calibration(MemoryConfig(), None), eager
     )
     assert eager_prediction.errors is not None and prediction.errors is not None
-    assert prediction.errors.device_used.low_gib < eager_prediction.errors.device_used.low_gib - 10
+    eager_low = eager_prediction.errors.device_used.low_gib
+    assert eager_low - 10 < prediction.errors.device_used.low_gib < eager_low - 2
+    with_tp = RunConfig(world_size=8, tp_size=2, train=TrainConfig(compile="block"))
+    as_eager = estimate_of(with_tp, 80.0, 89.0).predict(calibration(MemoryConfig(), None), with_tp)
+    assert as_eager.errors is not None
+    assert as_eager.errors.device_used.low_gib < eager_low - 10
 
 
 def test_the_correction_does_not_drift_when_read_back(tmp_path: Path) -> None:

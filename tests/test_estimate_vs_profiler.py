@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.job.model.zoo import build_model, initialize
 from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches

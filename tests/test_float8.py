@@ -12,8 +12,9 @@ import yaml
 from torch import nn
 
 from fsdp_bench.cli.main import main
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.errors import CombinationError
 from fsdp_bench.job.model.zoo import ModelBundle, build_model
 from fsdp_bench.job.parallel.float8 import convert_to_float8

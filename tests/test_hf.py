@@ -16,9 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fsdp_bench.cli.main import main
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import build_model, check_finite
 from fsdp_bench.job.parallel.parallelize import parallelize

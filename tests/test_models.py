@@ -12,9 +12,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import build_model
 from fsdp_bench.job.parallel.parallelize import parallelize, plan_groups

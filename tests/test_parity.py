@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig
+from fsdp_bench.config.run import DataConfig, RunConfig
 from fsdp_bench.job.parity import _compare, verification_run
 from tests.conftest import sweep, tiny_grid
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS
-from fsdp_bench.config.run import FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.failure_words import classify_text
 from fsdp_bench.job.failures import classify

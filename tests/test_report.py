@@ -20,8 +20,9 @@ import yaml
 
 from fsdp_bench import load_results
 from fsdp_bench.cli.main import main
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.measure import MeasureConfig
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import configs, estimates, failures, figure_data, summaries, tables, ties
 from fsdp_bench.report.build import build_report, load

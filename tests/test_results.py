@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fsdp_bench import load_results
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.fsdp import FsdpConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.record import RankOutcome, RunContext, build_result
 from fsdp_bench.job.rendezvous import RankInfo

@@ -23,9 +23,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from fsdp_bench.cli.codegen import fully_shard_code
 from fsdp_bench.cli.main import main
 from fsdp_bench.cli.views import describe_search
+from fsdp_bench.config.fsdp import FsdpConfig, checkpointed_every
 from fsdp_bench.config.grid import load_grid, run_for_point, search_space
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import DataConfig, FsdpConfig, RunConfig, TrainConfig, checkpointed_every
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.job.model.zoo import build_model
 from fsdp_bench.job.training import loss_fn, rank_batches
@@ -270,6 +271,16 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             train=TrainConfig(float8="tensorwise"),
         ),
         RunConfig(strategy="ddp", train=TrainConfig(float8="rowwise")),
+        RunConfig(
+            fsdp=FsdpConfig(
+                reshard_after_backward="last",
+                reduce_scatter_buffers=2,
+                separate_reduce_scatter_group=True,
+                comm_buffers_from_process_group=True,
+                cast_forward_inputs=False,
+            ),
+            train=TrainConfig(accumulation_steps=2),
+        ),
     ],
     ids=[
         "block-bf16-prefetch",
@@ -280,6 +291,7 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         "every-2-clipped",
         "float8-all-gather",
         "ddp-float8",
+        "fsdp2-knobs",
     ],
 )
 def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
@@ -457,3 +469,56 @@ def test_a_search_over_the_practitioners_knobs_end_to_end(
     assert len(ok) >= 4 and {r.config["world_size"] for r in ok} <= {1, 2}
     assert not launched & {i for i, r in records.items() if r.status == "skipped"}
     assert any(r.config["model"]["dtype"] == "bf16" for r in records.values())
+
+
+@pytest.mark.slow
+def test_a_search_over_float8_compile_and_fsdp2_knobs_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The configurations that win, searched through the command as a user runs it: float8,
+    per-block compile, HSDP's once-a-step all-reduce and unsharded parameters between
+    micro-batches (HSDP of 2 replicas of 1 rank, 2 micro-batches). The additive sampler's
+    first launches cover every value of every axis, so each setting runs at least once."""
+    grid = {
+        "name": "configs-that-win",
+        "base": {
+            "world_size": 2,
+            "strategy": "hsdp",
+            "model": {"name": "tiny"},
+            "data": {"micro_batch_size": 2, "seq_len": 128},
+            "fsdp": {"shard_group_size": 1, "mixed_precision": "bf16"},
+            "train": {"accumulation_steps": 2},
+            "measure": {"warmup_steps": 1, "timed_steps": 3, "repeats": 1},
+        },
+        "axes": {
+            "train.float8": ["none", "tensorwise"],
+            "train.compile": ["none", "block"],
+            "train.grad_sync": ["every", "all_reduce_last"],
+            "fsdp.reshard_after_backward": ["every", "last"],
+        },
+        "search": {"trials": 4, "seed": 0, "confirm_top_k": 1, "confirm_rounds": 2},
+        "launcher": {"collective_timeout_s": 60},
+    }
+    path, results = write_grid(tmp_path, grid), tmp_path / "r"
+    assert main(["search", str(path), "--results", str(results), "--no-progress"]) == 0
+    assert " runs launched, " in capsys.readouterr().out
+    ok = [r for r in ResultStore(results).results() if r.status == "ok"]
+    assert len(ok) >= 3, [(r.run_id, r.status, r.reason) for r in ResultStore(results).results()]
+    seen = {
+        key: {r.config[section].get(name, "none" if name != "grad_sync" else "every") for r in ok}
+        for key, (section, name) in {
+            "float8": ("train", "float8"),
+            "compile": ("train", "compile"),
+            "grad_sync": ("train", "grad_sync"),
+        }.items()
+    }
+    assert seen == {
+        "float8": {"none", "tensorwise"},
+        "compile": {"none", "block"},
+        "grad_sync": {"every", "all_reduce_last"},
+    }, seen
+    for record in ok:  # HSDP all-reduces once a step under all_reduce_last, else twice
+        once = record.config["train"].get("grad_sync") == "all_reduce_last"
+        assert record.all_reduces_per_step == (5 if once else 10), record.run_id
+        if record.config["train"].get("compile", "none") != "none":
+            assert record.peak_memory_source == "cpu_allocator"

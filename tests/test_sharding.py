@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.fsdp import FsdpConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.measure.tracker import TensorMemoryTracker
 from fsdp_bench.job.model.zoo import build_model
 from fsdp_bench.job.parallel.parallelize import wrap_on_meta

@@ -14,8 +14,9 @@ import pandas as pd
 import pytest
 
 from fsdp_bench.cli.views import describe_search
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid import parse_grid
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.report import summaries, tables, ties
 from fsdp_bench.report.headline import headline_text

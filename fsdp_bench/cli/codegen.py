@@ -8,7 +8,8 @@ Llama of transformers).
 
 from __future__ import annotations
 
-from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
+from fsdp_bench.config.fsdp import checkpointed_every, grouping_block_count
+from fsdp_bench.config.run import RunConfig
 
 
 def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.layers") -> str:
@@ -39,6 +40,7 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
     )
     lines.append("fully_shard(model, **options)  # the root last")
     lines += _prefetch_code(run)
+    lines += _communication_code(run)
     lines += [
         f'model.to_empty(device="{device}")',
         "model.init_weights()  # or reset_parameters() on each submodule",
@@ -81,7 +83,15 @@ def _fsdp_imports(run: RunConfig) -> list[str]:
         name
         for name, used in (
             ("CPUOffloadPolicy", run.fsdp.cpu_offload),
-            ("MixedPrecisionPolicy", "bf16" in (run.fsdp.mixed_precision, run.fsdp.reduce_dtype)),
+            (
+                "FSDPModule",
+                run.fsdp.comm_buffers_from_process_group or run.fsdp.symm_mem,
+            ),
+            (
+                "MixedPrecisionPolicy",
+                "bf16" in (run.fsdp.mixed_precision, run.fsdp.reduce_dtype)
+                or not run.fsdp.cast_forward_inputs,
+            ),
         )
         if used
     ]
@@ -155,14 +165,16 @@ def _mesh_and_options(run: RunConfig, device: str) -> list[str]:
     if reshard not in ("default", "all_but_last"):  # all_but_last: per block, below
         options.append(f"reshard_after_forward={reshard!r}")
     reduce = "torch.bfloat16" if run.fsdp.reduce_dtype == "bf16" else "torch.float32"
-    if run.fsdp.mixed_precision == "bf16" or run.fsdp.reduce_dtype == "bf16":
+    cast = "" if run.fsdp.cast_forward_inputs else ", cast_forward_inputs=False"
+    if run.fsdp.mixed_precision == "bf16" or run.fsdp.reduce_dtype == "bf16" or cast:
         param = "torch.bfloat16" if run.fsdp.mixed_precision == "bf16" else "None"
         lines.append(
-            f"mp_policy = MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={reduce})"
+            f"mp_policy = MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={reduce}{cast})"
         )
         options.append("mp_policy=mp_policy")
     if run.fsdp.cpu_offload:
-        options.append("offload_policy=CPUOffloadPolicy()")
+        pin = "" if run.fsdp.offload_pin_memory else "pin_memory=False"
+        options.append(f"offload_policy=CPUOffloadPolicy({pin})")
     return [*lines, f"options = dict({', '.join(options)})"]
 
 
@@ -288,6 +300,25 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
     return lines + _step_code(run, None)
 
 
+def _communication_code(run: RunConfig) -> list[str]:
+    """FSDP2's communication settings past fully_shard's arguments (`parallelize`)."""
+    cfg, lines = run.fsdp, []
+    if cfg.reduce_scatter_buffers != 1:
+        lines.append(f"model.set_reduce_scatter_max_input_buffers({cfg.reduce_scatter_buffers})")
+    if cfg.separate_reduce_scatter_group:
+        lines.append("model.set_separate_reduce_scatter_group(True)")
+    each = []
+    if cfg.comm_buffers_from_process_group:
+        each.append("module.set_allocate_memory_from_process_group_for_comm(True)")
+    if cfg.symm_mem:
+        each.append("module.set_symm_mem_for_comm()")
+    if each:
+        lines.append("for module in model.modules():  # set per module, not recursively")
+        lines.append("    if isinstance(module, FSDPModule):")
+        lines += [f"        {line}" for line in each]
+    return lines
+
+
 def _step_code(run: RunConfig, sync_setter: str | None, sharded_logits: bool = False) -> list[str]:
     """The step; `sharded_logits`: the loss and its backward under `loss_parallel`."""
     k = run.train.accumulation_steps
@@ -309,6 +340,10 @@ def _step_code(run: RunConfig, sync_setter: str | None, sharded_logits: bool = F
             lines.append(f"    {sync_setter}(index == {k - 1})  # reduce-scatter once")
         else:
             lines.append(f"    model.require_backward_grad_sync = index == {k - 1}")
+    if run.train.grad_sync == "all_reduce_last":
+        lines.append(f"    model.set_requires_all_reduce(index == {k - 1})  # all-reduce once")
+    if run.fsdp.reshard_after_backward == "last" and run.strategy != "ddp":
+        lines.append(f"    model.set_reshard_after_backward(index == {k - 1})")
     return lines + [f"    {line}" for line in backward] + update
 
 

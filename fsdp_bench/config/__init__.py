@@ -4,13 +4,14 @@ search space). Every bad value is one line naming its key path, the value and wh
 
 from __future__ import annotations
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.grid import Expansion, SweepSpec, expand, load_grid, parse_grid
 from fsdp_bench.config.grid_settings import MemoryConfig, SearchConfig
 from fsdp_bench.config.launcher import LauncherConfig
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.presets import PRESETS, ModelShape
-from fsdp_bench.config.run import DataConfig, FaultConfig, FsdpConfig, RunConfig, TrainConfig
+from fsdp_bench.config.run import DataConfig, FaultConfig, RunConfig, TrainConfig
 
 __all__ = [
     "PRESETS",

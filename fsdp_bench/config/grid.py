@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_bench.config.fsdp import canonical_grouping
 from fsdp_bench.config.grid_paths import find_cluster_profile, paths_from
 from fsdp_bench.config.grid_settings import MemoryConfig, SearchConfig
 from fsdp_bench.config.launcher import LauncherConfig
-from fsdp_bench.config.run import RunConfig, canonical_grouping
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import bad_value, build, coerce, field_paths
 from fsdp_bench.config.yaml_file import read_yaml
 from fsdp_bench.errors import CombinationError, ConfigError, FieldError, show, unknown_key

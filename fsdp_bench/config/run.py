@@ -10,20 +10,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fsdp_bench.config.fsdp import (
+    FSDP_ONLY_FIELDS,
+    FsdpConfig,
+    grouping_block_count,
+)
 from fsdp_bench.config.measure import MeasureConfig
 from fsdp_bench.config.model import ModelConfig
 from fsdp_bench.config.schema import at_least, bad_value, non_default_fields
 from fsdp_bench.config.tensor_parallel import check_tensor_parallel, divisors
 from fsdp_bench.errors import CombinationError
-
-GROUPING_HELP = (
-    "expected root, block, blocks:K (K >= 1 consecutive blocks per group), linear, "
-    "or a list of module-name patterns (e.g. ['layers.*.attention', 'layers.*.feed_forward'])"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,88 +39,14 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FsdpConfig:
-    grouping: str | tuple[str, ...] = "block"
-    """Which modules get their own fully_shard call (the communication boundary). Given as a
-    string or a list of module-name patterns; stored as a string (`modules:a,b` for a list)."""
-    reshard_after_forward: bool | int | Literal["default", "all_but_last"] = "default"
-    """true frees full parameters after forward; false keeps them to backward; an int
-    reshards to groups of that many ranks; default is FSDP2's own (true except the root);
-    all_but_last: every block group true but the last, whose parameters backward needs
-    first (torchtitan's policy until its PR 1094; block and blocks:K groupings)."""
-    prefetch: Literal["implicit"] | int = "implicit"
-    """implicit (FSDP2's default) or an explicit forward/backward prefetch depth."""
-    mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16: parameters cast to bf16 for compute and all-gathers (MixedPrecisionPolicy's
-    param_dtype; torchtitan's mixed_precision_param)."""
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """The dtype gradients are reduce-scattered in (MixedPrecisionPolicy's reduce_dtype;
-    torchtitan's mixed_precision_reduce): bf16 halves the reduce-scatter bytes and rounds the
-    gradients before their sum."""
-    cpu_offload: bool = False
-    activation_checkpointing: str = "none"
-    """none; block (every block, torchtitan's full); every_N (the blocks whose index is a
-    multiple of N, torchtitan's selective per layer, e.g. every_2); selective_op (inside
-    every block, the outputs of matmuls but every second one, attention and reduce-scatters
-    are saved and the rest recomputed: torchtitan's selective per op)."""
-    float8_all_gather: bool = False
-    """With train.float8 tensorwise: all-gather the float8 weights already cast (half of
-    bf16's bytes) and compute their scales in one all-reduce after the optimizer step
-    (torchao's enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp)."""
-    shard_group_size: int | None = None
-    """hsdp: ranks that hold one replica (shard it, and with tp_size split it too); None: the
-    processes of one node."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "grouping", canonical_grouping(self.grouping))
-        if self.shard_group_size is not None:
-            at_least(self, "shard_group_size", 1)
-        reshard = self.reshard_after_forward
-        if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
-            raise bad_value(
-                "reshard_after_forward", reshard, "expected true, false, default or an int >= 1"
-            )
-        if isinstance(self.prefetch, int) and self.prefetch < 1:
-            raise bad_value("prefetch", self.prefetch, "expected implicit or a depth >= 1")
-        if checkpointed_every(self.activation_checkpointing) is None and (
-            self.activation_checkpointing not in ("none", "selective_op")
-        ):
-            raise bad_value(
-                "activation_checkpointing",
-                self.activation_checkpointing,
-                "expected none, block, every_N (N >= 1) or selective_op",
-            )
-
-
-def checkpointed_every(mode: str) -> int | None:
-    """Every how many blocks one is checkpointed whole: block is 1, every_N is N; None for
-    none, selective_op or an unknown mode."""
-    if mode == "block":
-        return 1
-    match = re.fullmatch(r"every_([1-9]\d*)", mode)
-    return int(match.group(1)) if match else None
-
-
-FSDP_ONLY_FIELDS = (
-    "grouping",
-    "reshard_after_forward",
-    "prefetch",
-    "reduce_dtype",
-    "cpu_offload",
-    "float8_all_gather",
-    "shard_group_size",
-)
-"""The FsdpConfig fields DDP has no use for: reset under DDP (`RunConfig.canonical`) and shown
-as '-' for DDP rows in tables."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
-    grad_sync: Literal["every", "last"] = "every"
+    grad_sync: Literal["every", "last", "all_reduce_last"] = "every"
     """every: reduce-scatter after each micro-batch; last: only after the final one
-    (set_requires_gradient_sync(False) before the others: less communication, more memory)."""
+    (set_requires_gradient_sync(False) before the others: less communication, more memory);
+    all_reduce_last (hsdp): reduce-scatter after each, all-reduce across the replicas only
+    after the final one (set_requires_all_reduce(False) before the others)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     optimizer_impl: Literal["foreach", "fused", "for_loop"] = "foreach"
     """How the optimizer's update runs: foreach (a few kernels over all tensors, with
@@ -245,7 +170,7 @@ class RunConfig:
             )
         if self.tp_size != 1:
             check_tensor_parallel(self)
-        self._check_float8()
+        self._check_train()
         if not 0 <= self.fault.rank < self.world_size:
             raise CombinationError(
                 "fault.rank", self.fault.rank, f"expected 0..{self.world_size - 1}"
@@ -260,7 +185,20 @@ class RunConfig:
                     f"K must be at most the model's {n_layers} blocks",
                 )
 
-    def _check_float8(self) -> None:
+    def check_device(self, device_type: str) -> None:
+        """Settings one kind of device cannot run, refused before anything is launched."""
+        if self.fsdp.symm_mem and device_type != "cuda":
+            raise CombinationError(
+                "fsdp.symm_mem", True, f"needs CUDA (NCCL symmetric memory), not {device_type}"
+            )
+
+    def _check_train(self) -> None:
+        if self.train.grad_sync == "all_reduce_last" and self.strategy != "hsdp":
+            raise CombinationError(
+                "train.grad_sync",
+                "all_reduce_last",
+                f"all-reduces across HSDP's replicas: needs strategy hsdp, not {self.strategy}",
+            )
         if self.fsdp.float8_all_gather and self.train.float8 != "tensorwise":
             raise CombinationError(
                 "fsdp.float8_all_gather",
@@ -356,27 +294,3 @@ def alike_key(run: RunConfig) -> str:
     fields = non_default_fields(run)
     fields.pop("world_size", None)
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
-
-
-def canonical_grouping(value: object) -> str:
-    """Validate a grouping and give its one string form (`modules:` + patterns for lists)."""
-    if isinstance(value, (list, tuple)):
-        patterns = [str(p).strip() for p in value]
-        if not patterns or not all(patterns) or any("," in p for p in patterns):
-            raise bad_value("grouping", list(value), GROUPING_HELP)
-        return "modules:" + ",".join(patterns)
-    if not isinstance(value, str):
-        raise bad_value("grouping", value, GROUPING_HELP)
-    if value in ("root", "block", "linear"):
-        return value
-    if value.startswith("modules:") and all(value[len("modules:") :].split(",")):
-        return value
-    match = re.fullmatch(r"blocks:(\d+)", value)
-    if match and int(match.group(1)) >= 1:
-        return value
-    raise bad_value("grouping", value, GROUPING_HELP)
-
-
-def grouping_block_count(grouping: str) -> int | None:
-    """K of `blocks:K`, else None."""
-    return int(grouping.split(":")[1]) if grouping.startswith("blocks:") else None

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.config.fsdp import grouping_block_count
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import one_line
 from fsdp_bench.job.failures import classify
 from fsdp_bench.job.model.zoo import ModelBundle, build_model

@@ -8,6 +8,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -126,8 +127,10 @@ def forward_backward(
     autocast: torch.dtype | None = None,
     mark: Mark | None = None,
     sharded_logits: bool = False,
+    reshard_after_backward: str = "every",
 ) -> Callable[[], None]:
-    """The step's micro-batches: forward and backward, loss scaled by 1/K.
+    """The step's micro-batches: forward and backward, loss scaled by 1/K; what only the last
+    one does (`_last_micro_batch_switches`) switched on or off before each.
 
     `autocast` is mixed precision for models that FSDP2's MixedPrecisionPolicy does not
     handle (the DDP baseline); `mark` wraps each forward and each backward (a profiled step
@@ -135,7 +138,7 @@ def forward_backward(
     logits split over the vocabulary (tensor parallelism), and the loss and its backward run
     under `loss_parallel`, which never gathers them (torchtitan's loss parallel)."""
     count = len(batches)
-    sync_last_only = grad_sync == "last" and count > 1
+    last_only = _last_micro_batch_switches(model, count, grad_sync, reshard_after_backward)
 
     def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # No name for the logits: held through backward they would add their full size.
@@ -171,11 +174,26 @@ def forward_backward(
         for index, (inputs, targets) in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch()
-            if sync_last_only:
-                _set_gradient_sync(model, index == count - 1)
+            for switch in last_only:
+                switch(index == count - 1)
             one(inputs, targets)
 
     return run_micro_batches
+
+
+def _last_micro_batch_switches(
+    model: nn.Module, count: int, grad_sync: str, reshard_after_backward: str
+) -> list[Callable[[bool], None]]:
+    """What is on for the last of `count` micro-batches only, each switched before every one."""
+    switches: list[Callable[[bool], None]] = []
+    if count > 1 and grad_sync == "last":
+        switches.append(functools.partial(_set_gradient_sync, model))
+    if count > 1 and isinstance(model, FSDPModule):
+        if grad_sync == "all_reduce_last":
+            switches.append(model.set_requires_all_reduce)
+        if reshard_after_backward == "last":
+            switches.append(model.set_reshard_after_backward)
+    return switches
 
 
 def autocast_dtype(run: RunConfig) -> torch.dtype | None:
@@ -210,6 +228,7 @@ def make_train_step(
     micro_batches = forward_backward(
         model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark,
         sharded_logits=run.tp_size > 1,
+        reshard_after_backward=run.fsdp.reshard_after_backward,
     )  # fmt: skip
 
     max_norm = run.train.max_grad_norm

@@ -358,6 +358,7 @@ def _outcome(
         warmup_s=measured.warmup_s,
         cuda_peak_allocated_bytes=measured.cuda_peak_allocated_bytes,
         cuda_peak_reserved_bytes=measured.cuda_peak_reserved_bytes,
+        cpu_allocator_peak_bytes=memory.allocator_peak_bytes,
         num_alloc_retries=measured.num_alloc_retries,
         num_ooms=measured.num_ooms,
         device_used_bytes=measured.device_used_bytes,

@@ -60,6 +60,8 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
     runs = _runs_of_shape(spec, info, options.only)
     store = ResultStore(options.results_dir)
     launcher = spec.launcher
+    for run in runs:
+        run.check_device(target_device(launcher))
     estimates: dict[str, EstimatedPeaks] = {}
     if info.rank == 0:  # the one that writes the records
         store.root.mkdir(parents=True, exist_ok=True)

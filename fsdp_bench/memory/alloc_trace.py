@@ -150,9 +150,12 @@ class BlockContext:
         self.block: int | None = None
         self._head = len(blocks) if blocks else None
         self._handles = []
+        # Outside dynamo: in a compiled block (`train.compile`) the hooks' side effects would
+        # break the block's graph, and the block would run eagerly in the simulation alone.
         for index, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(self._entering(index)))
-            self._handles.append(block.register_forward_hook(self._on_output(index)))
+            entering, on_output = self._entering(index), self._on_output(index)
+            self._handles.append(block.register_forward_pre_hook(torch._dynamo.disable(entering)))
+            self._handles.append(block.register_forward_hook(torch._dynamo.disable(on_output)))
 
     @property
     def current(self) -> int | None:
@@ -194,6 +197,15 @@ class BlockContext:
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A compiled region runs compiled while recording (`memory.compiled`), not eagerly."""
+        return True
+
+    supports_higher_order_operators = True
+    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) are
+    recorded by their outputs, as any operator."""
+
     def __init__(self, trace: AllocationTrace, context: BlockContext | None) -> None:
         super().__init__()
         self.trace = trace

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fsdp_bench.config.fsdp import checkpointed_every, grouping_block_count
 from fsdp_bench.config.presets import ModelShape
-from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
+from fsdp_bench.config.run import RunConfig
 
 GB = 10**9
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq; plain SGD keeps nothing

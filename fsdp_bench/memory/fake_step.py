@@ -10,22 +10,26 @@ with the tracker of real runs, `record_step` records every allocation tagged by 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_bench.config.run import RunConfig, grouping_block_count
+from fsdp_bench.config.fsdp import grouping_block_count
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.measure.profile import MemoryReport, profile_step
 from fsdp_bench.job.model.zoo import ModelBundle, build_model, initialize
 from fsdp_bench.job.parallel.parallelize import materialize, wrap_on_meta
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
+from fsdp_bench.memory.compiled import compiled_as, partitioned_backend
 from fsdp_bench.memory.cuda_kernels import use_cuda_kernels
 from fsdp_bench.memory.fake import fake_tensors, fake_world
 from fsdp_bench.memory.repeat_step import STEP, WARMUP
@@ -127,8 +131,29 @@ def _simulated_model(
         torch.manual_seed(run.data.seed)
         bundle = build_model(run.model, device_type)
         use_cuda_kernels(bundle.module, device_type)
-        model, _ = wrap_on_meta(bundle, run, mesh, device, target_device_type=device_type)
-        yield model, bundle, device
+        model, _ = wrap_on_meta(
+            bundle,
+            run,
+            mesh,
+            device,
+            compile_backend=partitioned_backend() if compiled_as(run) == "partition" else None,
+            target_device_type=device_type,
+        )
+        yield model, _outermost_blocks(model, bundle, run), device
+
+
+def _outermost_blocks(model: nn.Module, bundle: ModelBundle, run: RunConfig) -> ModelBundle:
+    """Compiled: the bundle with each checkpointed block as its wrapper, the module compiled,
+    so that the block hooks of `alloc_trace.BlockContext` sit outside the checkpointed region
+    (inside it dynamo cannot trace their side effects and runs the whole block eagerly)."""
+    if compiled_as(run) != "partition":
+        return bundle
+    wrappers = {
+        id(module._checkpoint_wrapped_module): module
+        for module in model.modules()
+        if isinstance(module, CheckpointWrapper)
+    }
+    return dataclasses.replace(bundle, blocks=[wrappers.get(id(b), b) for b in bundle.blocks])
 
 
 def _set_up(

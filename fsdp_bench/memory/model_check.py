@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
-from fsdp_bench.config.run import FsdpConfig, RunConfig
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.config.schema import to_plain
 from fsdp_bench.errors import CombinationError, ConfigError, one_line
 from fsdp_bench.memory.pool import in_subprocesses

@@ -14,6 +14,7 @@ from typing import Literal
 from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory.calibration import Calibration, Correction
+from fsdp_bench.memory.compiled import compiled_as
 from fsdp_bench.memory.device_memory import communicators
 from fsdp_bench.memory.error_model import (
     TENSORS,
@@ -106,7 +107,7 @@ def predict(
         outside_gib,
         communicators(run, known.gpu),
         gpu=known.gpu,
-        compiled=run.train.compile != "none",
+        compiled=compiled_as(run),
         records_streams=records_streams,
         outside_measured=outside_range,
         scatter=correction.scatter,

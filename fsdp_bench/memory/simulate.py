@@ -30,7 +30,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_bench.config.run import RunConfig, checkpointed_every, grouping_block_count
+from fsdp_bench.config.fsdp import checkpointed_every, grouping_block_count
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.memory.alloc_trace import AllocationTrace
 from fsdp_bench.memory.deepen import (
     CannotDeepen,

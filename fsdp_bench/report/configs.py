@@ -11,12 +11,12 @@ from typing import Any
 
 import pandas as pd
 
+from fsdp_bench.config.fsdp import FSDP_ONLY_FIELDS
 from fsdp_bench.errors import yaml_scalar
 from fsdp_bench.store import (
     COLUMN_OF_PATH,
     CONFIG_COLUMNS,
     FAULT_COLUMNS,
-    FSDP_ONLY_COLUMNS,
     MODEL_COLUMNS,
 )
 
@@ -114,7 +114,7 @@ def config_labels(df: pd.DataFrame, columns: list[str] | None = None) -> pd.Seri
         parts = []
         for c in shown:
             value = key(row[c])
-            if (ddp and c in FSDP_ONLY_COLUMNS) or (value == base[c] and c != "grouping"):
+            if (ddp and c in FSDP_ONLY_FIELDS) or (value == base[c] and c != "grouping"):
                 continue
             parts.append(value if c in _BARE else f"{_SHORT.get(c, c)}={value}")
         return ", ".join(parts) or "base"
@@ -126,7 +126,7 @@ def describe_config(row: pd.Series, columns: list[str]) -> str:
     """A configuration spelled out, name=value over `columns` (DDP without FSDP-only axes)."""
     ddp = row.get("strategy") == "ddp"
     return ", ".join(
-        f"{c}={key(row[c])}" for c in columns if c in row and not (ddp and c in FSDP_ONLY_COLUMNS)
+        f"{c}={key(row[c])}" for c in columns if c in row and not (ddp and c in FSDP_ONLY_FIELDS)
     )
 
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import pandas as pd
 
+from fsdp_bench.config.fsdp import FSDP_ONLY_FIELDS
 from fsdp_bench.report import ties
 from fsdp_bench.report.configs import key, varying
-from fsdp_bench.store import CONFIG_COLUMNS, FSDP_ONLY_COLUMNS
+from fsdp_bench.store import CONFIG_COLUMNS
 
 METRIC_COLUMNS = [
     "tokens_per_s",
@@ -148,7 +149,7 @@ def _ddp_dashes(table: pd.DataFrame) -> pd.DataFrame:
     if "strategy" not in table:
         return table
     table = table.copy()
-    for column in FSDP_ONLY_COLUMNS:
+    for column in FSDP_ONLY_FIELDS:
         if column in table:
             table[column] = table[column].astype(object)
             table.loc[table["strategy"] == "ddp", column] = "-"

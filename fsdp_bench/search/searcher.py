@@ -218,6 +218,8 @@ class Searcher:
         self.repeats_in_a_row = self.repeats_in_a_row + 1 if point_key(point) in visited else 0
         try:
             run = run_for_point(self.spec, point)
+            if run is not None:
+                run.check_device(self.device_type)
         except FieldError as err:
             self._fail(trial, "excluded", f"not a valid run: {err}")
             return None

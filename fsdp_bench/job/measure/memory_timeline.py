@@ -51,6 +51,14 @@ class MemoryTimeline:
 class TimelineSampler(TorchDispatchMode):
     """Entered inside the MemTracker, so each sample follows the tracker's own update."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Sampling does not make a compiled region fall back to eager."""
+        return True
+
+    supports_higher_order_operators = True
+    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) pass."""
+
     def __init__(self, tracker: Any, device_type: str) -> None:
         super().__init__()
         self._tracker = tracker
@@ -67,7 +75,7 @@ class TimelineSampler(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d" and func._opname in COLLECTIVE_KINDS:
+        if func.namespace == "c10d" and getattr(func, "_opname", None) in COLLECTIVE_KINDS:
             self._collectives.append([len(self._samples), COLLECTIVE_KINDS[func._opname]])
         self._samples.append((self._current_bytes(), self._where()))
         return out

@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_bench.config.run import RunConfig
+from fsdp_bench.job.measure.allocator_peak import allocator_peak, live_bytes
 from fsdp_bench.job.measure.memory_timeline import (
     COLLECTIVE_KINDS,
     MemoryTimeline,
@@ -72,6 +73,15 @@ class CollectiveCounter(TorchDispatchMode):
     the functional ones as they are called. DTensor issues those from inside its own
     operators (the all-reduce that makes gradient clipping's partial norm whole), where no
     dispatch mode sees them, so their Python functions are watched while counting."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Counting does not make a compiled region fall back to eager (collectives run in
+        FSDP2's hooks, outside the compiled graphs)."""
+        return True
+
+    supports_higher_order_operators = True
+    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) pass."""
 
     def __init__(self, dimensions: Mapping[tuple[int, ...], str] | None = None) -> None:
         """`dimensions`: the ranks of this rank's groups -> mesh dimension names
@@ -132,7 +142,7 @@ class CollectiveCounter(TorchDispatchMode):
             # of a reduce-scatter, the tensor of an all-reduce
             size = _nbytes(args[1] if kind == "reduce_scatter" else args[0])
             self._count(kind, size, _ranks(_process_group(args)))
-        elif not self._computing and func._opname in _MATMULS:
+        elif not self._computing and getattr(func, "_opname", None) in _MATMULS:
             self._computing = True
             self.counts.all_gathers_before_compute = self.counts.all_gathers
         return func(*args, **(kwargs or {}))
@@ -217,6 +227,9 @@ class MemoryReport:
     offloaded_state_bytes: int = 0
     """Simulated with CPU offload on one CPU: the parameter shards (as many gradient shards)
     and the optimizer state that a GPU run keeps in host memory, still counted in the peak."""
+    allocator_peak_bytes: int | None = None
+    """A real compiled run on the CPU: its peak at the allocator (`allocator_peak`), inductor's
+    buffers included, which the tracker does not see."""
 
 
 @dataclass
@@ -264,10 +277,20 @@ def profile_step(
     sampler = TimelineSampler(tracker, device.type) if break_down else None
     history = trace_path.with_name(f"{trace_path.stem}_memory.pickle") if trace_path else None
     recording = cuda_memory_history(history if break_down else None, device)
-    with recording, tracker, counter, sampler or contextlib.nullcontext():
+    at_allocator = _compiled_on_cpu(run, device)
+    with (
+        allocator_peak() if at_allocator else contextlib.nullcontext() as allocator,
+        recording,
+        tracker,
+        counter,
+        sampler or contextlib.nullcontext(),
+    ):
         step()
     memory = _snapshot(tracker, device.type)
     held = tracker.held_bytes(device.type)  # alive through the step: at every moment
+    if allocator is not None:  # what the module and optimizer hold, and DDP's buckets
+        before = live_bytes(_held_through_step(model, optimizer, batches)) + held
+        memory.allocator_peak_bytes = before + allocator.bytes_above_start
     if held:
         memory.peak_bytes += held
         memory.breakdown_bytes["held_before_step"] = held
@@ -276,6 +299,24 @@ def profile_step(
         return StepProfile(counter.counts, memory)
     breakdown = trace_step(model, optimizer, batches, run, trace_path)
     return StepProfile(counter.counts, memory, breakdown, sampler.timeline())
+
+
+def _compiled_on_cpu(run: RunConfig, device: torch.device) -> bool:
+    """A real compiled run on the CPU: its peak is taken at the allocator (`allocator_peak`).
+    Not under fake tensors (the estimate's simulation runs the compiled graphs as operators
+    the tracker sees, `memory.compiled`)."""
+    from torch._guards import detect_fake_mode
+
+    return run.train.compile != "none" and device.type == "cpu" and detect_fake_mode() is None
+
+
+def _held_through_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch]
+) -> list[Any]:
+    """What is alive when a step begins and through it: parameters, buffers, optimizer state,
+    the batches (gradients are released at the end of the step before)."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values()]
+    return [*model.parameters(), *model.buffers(), *state, *batches]
 
 
 def _module_peak_bytes(tracker: Any, device_type: str) -> dict[str, int]:

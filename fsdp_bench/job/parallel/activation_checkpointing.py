@@ -20,7 +20,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_bench.config.run import checkpointed_every
+from fsdp_bench.config.fsdp import checkpointed_every
 from fsdp_bench.job.model.zoo import ModelBundle
 
 

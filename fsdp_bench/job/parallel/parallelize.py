@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_bench.config.run import FsdpConfig, RunConfig, grouping_block_count
+from fsdp_bench.config.fsdp import FsdpConfig, grouping_block_count
+from fsdp_bench.config.run import RunConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import ModelBundle, initialize
 from fsdp_bench.job.parallel.activation_checkpointing import apply_checkpointing
@@ -62,7 +64,8 @@ def parallelize(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
-    model, plan = wrap_on_meta(bundle, run, mesh, device, compile_modules=True)
+    run.check_device(device.type)
+    model, plan = wrap_on_meta(bundle, run, mesh, device, compile_backend="inductor")
     materialize(model, device, params_on_host=run.fsdp.cpu_offload)
     initialize(bundle, model)
     if run.strategy == "ddp":
@@ -83,12 +86,13 @@ def wrap_on_meta(
     run: RunConfig,
     mesh: DeviceMesh,
     device: torch.device,
-    compile_modules: bool = False,
+    compile_backend: Any = None,
     target_device_type: str | None = None,
 ) -> tuple[nn.Module, ShardPlan]:
     """Float8 linears (emulated when the run is on the CPU: `target_device_type`, by default
-    `device`'s), tensor parallelism, activation checkpointing, torch.compile
-    (`compile_modules`; the memory simulation runs eager) and fully_shard, still on the meta
+    `device`'s), tensor parallelism, activation checkpointing, torch.compile of
+    `train.compile`'s scope with `compile_backend` (None: not compiled; the memory simulation
+    passes its own, `memory.compiled`) and fully_shard, still on the meta
     device (no memory yet), in torchtitan's order. With TP, `mesh` is (shard, tp):
     fully_shard takes its shard dimension."""
     if run.train.float8 != "none":
@@ -104,8 +108,8 @@ def wrap_on_meta(
         mesh = mesh[run.mesh_dim_names[:-1]]  # (replicate,) shard: FSDP2's (HSDP's) mesh
     bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module
-    if compile_modules:
-        _compile(bundle, run.train.compile)
+    if compile_backend is not None:
+        _compile(bundle, run.train.compile, compile_backend)
     match run.strategy:
         case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
             plan = plan_groups(bundle, str(run.fsdp.grouping))
@@ -237,6 +241,7 @@ def mixed_precision_policy(cfg: FsdpConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=bf16 if cfg.mixed_precision == "bf16" else None,
         reduce_dtype=bf16 if cfg.reduce_dtype == "bf16" else fp32,
+        cast_forward_inputs=cfg.cast_forward_inputs,
     )
 
 
@@ -246,9 +251,8 @@ def _fully_shard_groups(
     policy = cfg.reshard_after_forward
     reshard = policy if isinstance(policy, (bool, int)) else None  # None: FSDP2's default
     mp = mixed_precision_policy(cfg)
-    offload = (
-        CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-    )
+    pin = cfg.offload_pin_memory and device.type == "cuda"  # pinning needs an accelerator
+    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.cpu_offload else OffloadPolicy()
     depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
     inner = plan.groups[:-1]
     last = inner[-1] if inner else None  # in forward order: the first backward computes
@@ -267,6 +271,22 @@ def _fully_shard_groups(
         )
     if cfg.prefetch != "implicit":
         _wire_prefetch([g.modules[0] for g in inner], cfg.prefetch)
+    _set_communication(model, cfg)
+
+
+def _set_communication(model: nn.Module, cfg: FsdpConfig) -> None:
+    """FSDP2's communication settings past fully_shard's arguments, on every group."""
+    assert isinstance(model, FSDPModule)
+    if cfg.reduce_scatter_buffers != 1:
+        model.set_reduce_scatter_max_input_buffers(cfg.reduce_scatter_buffers)
+    if cfg.separate_reduce_scatter_group:
+        model.set_separate_reduce_scatter_group(True)
+    for module in model.modules():  # these two set one module's groups only
+        if isinstance(module, FSDPModule):
+            if cfg.comm_buffers_from_process_group:
+                module.set_allocate_memory_from_process_group_for_comm(True)
+            if cfg.symm_mem:
+                module.set_symm_mem_for_comm()
 
 
 def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
@@ -281,7 +301,7 @@ def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
             module.set_modules_to_backward_prefetch(preceding)
 
 
-def _compile(bundle: ModelBundle, scope: str) -> None:
+def _compile(bundle: ModelBundle, scope: str, backend: Any) -> None:
     """In place (`Module.compile`), so the modules keep their names and identities for the
     fully_shard groups; compilation itself happens in the first step.
 
@@ -297,7 +317,7 @@ def _compile(bundle: ModelBundle, scope: str) -> None:
     torch._dynamo.config.recompile_limit = max(8, len(bundle.blocks) + 8)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for module in modules:
-        module.compile()
+        module.compile(backend=backend)
 
 
 def materialize(module: nn.Module, device: torch.device, params_on_host: bool = False) -> None:
