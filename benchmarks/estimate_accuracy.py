@@ -1,8 +1,9 @@
 """Memory estimates: accuracy against measured peaks, and how long estimating takes.
 
 1. Runs a grid (default: the quickstart) and prints, per run, the analytic and simulated
-   estimates next to the measured peak (tracked tensors on CPU, max_memory_allocated on CUDA)
-   and the error of each (target for simulated: <= 5%).
+   estimates next to the measured peak (tracked tensors on CPU, the CPU allocator's for a
+   compiled run, max_memory_allocated on CUDA) and the error of each (target for simulated:
+   <= 5%; sweeps/compiled-cpu.yaml for compiled runs).
 2. Times the simulated estimate for Llama-3 1B, 8B and 70B shapes (bf16, block activation
    checkpointing, sequence 4096, micro-batch 1) at world sizes 8, 64 and 1,024 (target for 8B
    at 64 ranks: < 10 s), and once without deepening for 8B at 64 ranks.
@@ -48,6 +49,7 @@ def accuracy(grid: Path) -> None:
     table["analytic MiB"] = (df.analytic_peak_gib * mib).round(2)
     table["simulated MiB"] = (df.estimated_peak_gib * mib).round(2)
     table["measured MiB"] = (df.peak_memory_gib * mib).round(2)
+    table["measured by"] = df.peak_memory_source
     table["analytic err %"] = df.analytic_err.round(1)
     table["simulated err %"] = df.simulated_err.round(2)
     print(table.to_string(index=False))

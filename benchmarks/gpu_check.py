@@ -40,7 +40,9 @@ process imports torch and starts CUDA, ~10 s):
 - step_breakdown (50 s): forward / backward / optimizer by CUDA events and exposed
   communication, Llama-3-1B, root against block grouping; Distributed Checkpoint save and load
   on `small`, the restore checked; the kept trace read back;
-- compile (55 s): eager against `train.compile: block` on `small`, one shape, parity checked;
+- compile (55 s; 2 min on a GPU): eager against `train.compile: block` on `small`, one shape,
+  parity checked; on a GPU also compiled float8 (tensorwise with float8 all-gather, rowwise)
+  against bf16 eager, and every compiled run's allocated peak inside the estimate's interval;
 - torchrun (30 s): `fsdp-bench run` under torchrun (NCCL through torchrun's store);
 - multi_gpu (two GPUs or more, 60 s): FSDP and HSDP at world size 2 or 4, a hang recorded
   `timeout`. About 6 minutes in all on one GPU.
@@ -529,29 +531,63 @@ def _phases(record: dict[str, Any]) -> dict[str, float]:
 
 
 COMPILE_COLUMNS = [
-    "run_id", "status", "compile", "tokens_per_s", "step_time_s", "step_time_spread_pct",
-    "compile_s", "warmup_s", "peak_memory_gib", "tracked_peak_gib", "estimated_peak_gib",
+    "run_id", "status", "compile", "float8", "float8_all_gather", "tokens_per_s", "step_time_s",
+    "step_time_spread_pct", "compile_s", "warmup_s", "peak_memory_gib", "tracked_peak_gib",
+    "estimated_peak_gib", "estimated_allocated_low_gib", "estimated_allocated_high_gib",
     "parity_ok", "parity_grad_max_abs_diff", "contended", "gpu_other_processes", "reason",
 ]  # fmt: skip
 
 
 def compiled(check: Check) -> dict[str, Any]:
-    """Eager against torch.compile per block for one shape at world size 1, parity checked."""
+    """Eager against torch.compile per block for one shape at world size 1, parity checked;
+    on a GPU also compiled float8 (tensorwise with float8 all-gather, rowwise), each against
+    bf16 eager in the same job, its memory beside the estimate's interval (compiled runs are
+    estimated from the partition, `memory.compiled`)."""
     base = {
         "model": {"name": check.small},
         "data": {"micro_batch_size": 2, "seq_len": 512 if check.on_gpu else 128},
         "fsdp": {"mixed_precision": "bf16" if check.on_gpu else "fp32"},
         "measure": check.measure,
     }
-    df = sweep(check, "compile", base, {"train.compile": ["none", "block"]}, verify=True)
+    axes: list[dict[str, Any]] = [{"train.compile": ["none", "block"]}]
+    if check.on_gpu:
+        axes += [
+            {"train.compile": ["block"], "train.float8": ["tensorwise"],
+             "fsdp.float8_all_gather": [True]},
+            {"train.compile": ["block"], "train.float8": ["rowwise"]},
+        ]  # fmt: skip
+    df = sweep(check, "compile", base, axes, verify=True)
     found = columns_of(df, COMPILE_COLUMNS)
-    speed = {r["compile"]: r["tokens_per_s"] for r in found if r["status"] == "ok"}
-    ratio = speed["block"] / speed["none"] if {"none", "block"} <= speed.keys() else None
-    result: dict[str, Any] = {"runs": found, "compiled_over_eager_tokens_per_s": ratio}
+    speed = {
+        (r["compile"], r.get("float8") or "none"): r["tokens_per_s"]
+        for r in found
+        if r["status"] == "ok"
+    }
+    eager = speed.get(("none", "none"))
+    ratios = {f"{c}+{f}": v / eager for (c, f), v in speed.items() if eager and c != "none"}
+    result: dict[str, Any] = {
+        "runs": found,
+        "compiled_over_eager_tokens_per_s": ratios.get("block+none"),
+        "over_bf16_eager_tokens_per_s": ratios,
+    }
     expect_runs_ok(result, check)
-    expect(result, "eager and compiled both pass parity",
-           len(found) == 2 and all(r["parity_ok"] for r in found))  # fmt: skip
+    expect(result, "every run passes parity",
+           len(found) == len(axes) + 1 and all(r["parity_ok"] for r in found))  # fmt: skip
+    if check.on_gpu:
+        outside = [
+            f"{r['run_id']} ({r['compile']}, {r.get('float8')}): allocated "
+            f"{r['peak_memory_gib']:.2f} GiB, interval {r.get('estimated_allocated_low_gib')}"
+            f"-{r.get('estimated_allocated_high_gib')}"
+            for r in found
+            if r["status"] == "ok" and not _inside(r)
+        ]
+        expect_none(result, "compiled memory inside the estimate's interval", outside)
     return result
+
+
+def _inside(row: dict[str, Any]) -> bool:
+    low, high = row.get("estimated_allocated_low_gib"), row.get("estimated_allocated_high_gib")
+    return low is not None and high is not None and low <= row["peak_memory_gib"] <= high
 
 
 def under_torchrun(check: Check) -> dict[str, Any]:

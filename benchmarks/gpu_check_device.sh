@@ -2,7 +2,8 @@
 # The GPU check as one call of the lent device machine, where nothing can be installed from a
 # registry and the files that come back are few (8 at most, 2 folders down).
 #
-#   benchmarks/gpu_check_device.sh fetch   # here, once per checkout: submitit's wheel into .whl/
+#   benchmarks/gpu_check_device.sh fetch   # here, once per checkout: submitit's and torchao's
+#                                          # wheels into .whl/
 #   benchmarks/gpu_check_device.sh run     # there: the device tool's command, with carry [".whl"]
 #   benchmarks/gpu_check_device.sh run --only models parity   # a rerun of some parts
 #
@@ -19,6 +20,10 @@ fetch)
   # submitit is pure Python; its needs (cloudpickle, typing_extensions) are on the machine.
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp -d .whl 'submitit==1.5.4'
+  # torchao's float8 path is Python; it declares no torch requirement (the compile part's
+  # float8 runs need it).
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp -d .whl 'torchao==0.18.0'
   ls .whl
   ;;
 run)
