@@ -496,7 +496,7 @@ def test_a_search_over_float8_compile_and_fsdp2_knobs_end_to_end(
             "train.grad_sync": ["every", "all_reduce_last"],
             "fsdp.reshard_after_backward": ["every", "last"],
         },
-        "search": {"trials": 4, "seed": 0, "confirm_top_k": 1, "confirm_rounds": 2},
+        "search": {"trials": 4, "seed": 0, "confirm_top_k": 0},
         "launcher": {"collective_timeout_s": 60},
     }
     path, results = write_grid(tmp_path, grid), tmp_path / "r"
