@@ -196,6 +196,16 @@ def _last_micro_batch_switches(
     return switches
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (moments, step counts where tensors), every parameter's."""
+    return [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
 def autocast_dtype(run: RunConfig) -> torch.dtype | None:
     """bf16 autocast for the DDP baseline in bf16 (FSDP2 casts through its own policy)."""
     if run.strategy == "ddp" and run.fsdp.mixed_precision == "bf16":

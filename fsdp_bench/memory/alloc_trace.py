@@ -38,7 +38,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_bench.config.gpus import CUBLAS_HANDLES, CUBLAS_WORKSPACE_SM90_BYTES
-from fsdp_bench.job.measure.tracker import marked_propagation, propagating
+from fsdp_bench.job.measure.tracker import (
+    SeesCompiledRegions,
+    marked_propagation,
+    propagating,
+)
 from fsdp_bench.memory.allocator import CachingAllocator, OutOfMemory
 
 DEFAULT_STREAM = "default"
@@ -196,16 +200,7 @@ class BlockContext:
             handle.remove()
 
 
-class _Recorder(TorchDispatchMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """A compiled region runs compiled while recording (`memory.compiled`), not eagerly."""
-        return True
-
-    supports_higher_order_operators = True
-    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) are
-    recorded by their outputs, as any operator."""
-
+class _Recorder(SeesCompiledRegions, TorchDispatchMode):
     def __init__(self, trace: AllocationTrace, context: BlockContext | None) -> None:
         super().__init__()
         self.trace = trace

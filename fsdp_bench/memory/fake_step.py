@@ -27,7 +27,12 @@ from fsdp_bench.config.run import RunConfig
 from fsdp_bench.job.measure.profile import MemoryReport, profile_step
 from fsdp_bench.job.model.zoo import ModelBundle, build_model, initialize
 from fsdp_bench.job.parallel.parallelize import materialize, wrap_on_meta
-from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
+from fsdp_bench.job.training import (
+    build_optimizer,
+    make_train_step,
+    optimizer_state_tensors,
+    rank_batches,
+)
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
 from fsdp_bench.memory.compiled import compiled_as, partitioned_backend
 from fsdp_bench.memory.cuda_kernels import use_cuda_kernels
@@ -59,7 +64,7 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
             # gave the same tensors but a reserve 4-6% higher than a real run's order).
             make_train_step(model, optimizer, batches, run)()
             if recorder is not None:
-                recorder.classify(_state_tensors(optimizer), "optimizer_state")
+                recorder.classify(optimizer_state_tensors(optimizer), "optimizer_state")
             memory = profile_step(model, optimizer, batches, run, break_down=False).memory
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
@@ -106,7 +111,7 @@ def record_step(run: RunConfig, device_type: str = "cpu", *, steps: int = 2) -> 
             step = make_train_step(model, optimizer, batches, run, mark=phase)
             recorder.mark(WARMUP)
             step()
-            recorder.classify(_state_tensors(optimizer), "optimizer_state")
+            recorder.classify(optimizer_state_tensors(optimizer), "optimizer_state")
             recorder.mark(STEP)
             if steps == 2:
                 step()
@@ -208,15 +213,6 @@ def _spanning_groups(model: nn.Module, bundle: ModelBundle, run: RunConfig) -> l
     return found
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        value
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    ]
-
-
 def _reduce_into_buckets(model: nn.Module, run: RunConfig) -> None:
     """What DDP's reducer does to memory (gradient_as_bucket_view): flat buckets of every
     gradient, made at construction and held from before the step; each gradient, once
@@ -251,7 +247,7 @@ def _measure_offload(memory: MemoryReport, model: nn.Module, optimizer: Any) -> 
         _local(p).numel() * p.element_size() for p in model.parameters()
     )
     memory.offloaded_state_bytes = sum(
-        _local(value).numel() * value.element_size() for value in _state_tensors(optimizer)
+        _local(value).numel() * value.element_size() for value in optimizer_state_tensors(optimizer)
     )
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_bench.job.measure.tracker import SeesCompiledRegions
+
 MAX_POINTS = 400
 COLLECTIVE_KINDS = {
     "_allgather_base_": "all_gather",
@@ -48,16 +50,8 @@ class MemoryTimeline:
     module: "loss" after a forward, "optimizer" after a backward)."""
 
 
-class TimelineSampler(TorchDispatchMode):
+class TimelineSampler(SeesCompiledRegions, TorchDispatchMode):
     """Entered inside the MemTracker, so each sample follows the tracker's own update."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Sampling does not make a compiled region fall back to eager."""
-        return True
-
-    supports_higher_order_operators = True
-    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) pass."""
 
     def __init__(self, tracker: Any, device_type: str) -> None:
         super().__init__()

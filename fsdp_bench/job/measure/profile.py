@@ -30,7 +30,8 @@ from fsdp_bench.job.measure.memory_timeline import (
     cuda_memory_history,
 )
 from fsdp_bench.job.measure.step_trace import StepBreakdown, trace_step
-from fsdp_bench.job.training import Batch, make_train_step
+from fsdp_bench.job.measure.tracker import SeesCompiledRegions, TensorMemoryTracker
+from fsdp_bench.job.training import Batch, make_train_step, optimizer_state_tensors
 
 _MATMULS = {"mm", "addmm", "bmm"}
 
@@ -67,21 +68,12 @@ FUNCTIONAL_COLLECTIVES = {
 """torch.distributed._functional_collectives by what they do (names differ by release)."""
 
 
-class CollectiveCounter(TorchDispatchMode):
+class CollectiveCounter(SeesCompiledRegions, TorchDispatchMode):
     """Counts the collectives a step issues (exact and repeatable): c10d's as they pass
     through the dispatcher (FSDP2's all-gathers and reduce-scatters, DDP's all-reduces), and
     the functional ones as they are called. DTensor issues those from inside its own
     operators (the all-reduce that makes gradient clipping's partial norm whole), where no
     dispatch mode sees them, so their Python functions are watched while counting."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Counting does not make a compiled region fall back to eager (collectives run in
-        FSDP2's hooks, outside the compiled graphs)."""
-        return True
-
-    supports_higher_order_operators = True
-    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) pass."""
 
     def __init__(self, dimensions: Mapping[tuple[int, ...], str] | None = None) -> None:
         """`dimensions`: the ranks of this rank's groups -> mesh dimension names
@@ -265,8 +257,6 @@ def profile_step(
     iteration; its per-module statistics are cleared between micro-batches (the peak
     survives).
     """
-    from fsdp_bench.job.measure.tracker import TensorMemoryTracker
-
     tracker = TensorMemoryTracker(held_apart=run.strategy == "ddp")
     tracker.track_external(model, optimizer)
     step = make_train_step(
@@ -315,8 +305,7 @@ def _held_through_step(
 ) -> list[Any]:
     """What is alive when a step begins and through it: parameters, buffers, optimizer state,
     the batches (gradients are released at the end of the step before)."""
-    state = [v for per_param in optimizer.state.values() for v in per_param.values()]
-    return [*model.parameters(), *model.buffers(), *state, *batches]
+    return [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), *batches]
 
 
 def _module_peak_bytes(tracker: Any, device_type: str) -> dict[str, int]:

@@ -98,21 +98,25 @@ def _kept_grad_hooks() -> Iterator[None]:
             handle.remove()
 
 
-class TensorMemoryTracker(MemTracker):
-    """MemTracker that does not count DTensor's shape propagation, and counts memory held from
-    before the step apart (see the module docstring)."""
+class SeesCompiledRegions:
+    """For our dispatch modes (the tracker, the collective counter, the timeline sampler, the
+    estimate's recorder): a compiled region runs compiled while they watch, not eagerly
+    (dynamo's default under a dispatch mode). Under fake tensors its graphs run as operators
+    they see (`memory.compiled`); in a real run inductor's kernels allocate where no mode sees
+    them, and a compiled CPU run's peak comes from the allocator (`allocator_peak`). A
+    compiled checkpointed region's random operators (`run_and_save_rng_state`, a higher-order
+    operator) pass through them as any operator."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """A compiled region runs compiled while tracked, not eagerly (dynamo's default under a
-        dispatch mode). Under fake tensors its graphs run as operators the tracker sees
-        (`memory.compiled`); in a real run inductor's kernels allocate where no mode sees them,
-        and the peak comes from the allocator (`allocator_peak`)."""
         return True
 
-    supports_higher_order_operators = True
-    """A compiled checkpointed region's random operators (`run_and_save_rng_state`) are
-    counted by their outputs, as any operator."""
+
+class TensorMemoryTracker(SeesCompiledRegions, MemTracker):
+    """MemTracker that does not count DTensor's shape propagation, and counts memory held from
+    before the step apart (see the module docstring)."""
 
     def __init__(self, *, held_apart: bool = False) -> None:
         """`held_apart`: for DDP. Not under FSDP2, whose unsharded parameters also predate the

@@ -64,7 +64,6 @@ def parallelize(
     bundle: ModelBundle, run: RunConfig, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, ShardPlan]:
     """Turn the meta-device model into a trainable, materialised, parallel model."""
-    run.check_device(device.type)
     model, plan = wrap_on_meta(bundle, run, mesh, device, compile_backend="inductor")
     materialize(model, device, params_on_host=run.fsdp.cpu_offload)
     initialize(bundle, model)
