@@ -60,13 +60,14 @@ def run_in_place(spec: SweepSpec, options: InPlaceOptions) -> InPlaceOutcome:
     runs = _runs_of_shape(spec, info, options.only)
     store = ResultStore(options.results_dir)
     launcher = spec.launcher
+    device_type = target_device(launcher)
     for run in runs:
-        run.check_device(target_device(launcher))
+        run.check_device(device_type)
     estimates: dict[str, EstimatedPeaks] = {}
     if info.rank == 0:  # the one that writes the records
         store.root.mkdir(parents=True, exist_ok=True)
         store.save_grid(spec.source)
-        estimates = _cached_estimates(runs, store, target_device(launcher), spec.memory)
+        estimates = _cached_estimates(runs, store, device_type, spec.memory)
     job = JobSpec(
         runs=tuple(runs),
         results_dir=str(store.root.resolve()),
