@@ -159,6 +159,23 @@ TORCHAO_RUNS = (
 
 
 ROW_17 = _llama("llama2-7b", 8, 2048, 8, "block")
+ROW_17_SAC = _llama("llama2-7b", 8, 2048, 8, "selective_op")
+H100_95_GIB = 95.0396
+"""The H100s of PR 165, whose memory figures are percentages of this ('can convert against
+95.0396 GiB GPU memory')."""
+SAC_THEN = (
+    "selective AC per op as torchtitan PR 97 (2024-02-28) had it, the only kind then: keep "
+    "the outputs of attention, reduce-scatters and every other matrix product (these figures "
+    "were first posted in PR 116 on 2024-03-06; per-layer SAC came with PR 125, opened "
+    "2024-03-10)"
+)
+
+
+def _compiled(run: RunConfig) -> RunConfig:
+    """`run` with each block compiled (torchtitan's per-block compile under FSDP2)."""
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, compile="block"))
+
+
 ROW_24 = _llama("llama3-8b", 8, 8192, 1, "none")
 LITGPT = (
     "litgpt's Llama-2-7B, whose RMSNorm is Python code keeping fp32 copies for backward, as "
@@ -176,7 +193,7 @@ ROW_THUNDER = RunConfig(
     fsdp=FsdpConfig(mixed_precision="bf16", reshard_after_forward=False),
     train=TrainConfig(optimizer_impl="fused"),
 )
-ROW_70B = RunConfig(
+ROW_70B = _float8(RunConfig(
     world_size=256,
     processes_per_node=8,
     tp_size=8,
@@ -186,7 +203,7 @@ ROW_70B = RunConfig(
                     reshard_after_forward="all_but_last"),
     train=TrainConfig(max_grad_norm=1.0, optimizer_impl="fused", expandable_segments=True,
                       compile="block"),
-)  # fmt: skip
+))  # fmt: skip
 FULL_AC_7B = (
     "the model: 'Llama-7B' in torchtitan then, the Llama-2-7B shape (32 heads, 32 key/value "
     f"heads, FFN 11008, vocab 32000); {TORCHTITAN_RESHARD}; AdamW foreach"
@@ -219,10 +236,11 @@ ROWS = [
     # FSDP 32 x TP 8 itself is expressible: results/2026-12-04-tp-70b-estimate.txt.
     Published("torchtitan T4: Llama-3.1-70B, 256 GPUs, FSDP 32 x TP 8", TORCHTITAN_BENCH,
               "| 2D | 829 | 71.9 |", "reserved", 71.9, run=ROW_70B,
-              missing="float8 linears with tensor parallelism (not yet)",
               inferred="local batch 16, seq 8192, full AC, per-block compile, bf16 with fp32 "
                        f"reduction, clipping 1.0, fused AdamW; {TORCHTITAN_RESHARD}; "
-                       "expandable segments; 8 GPUs per node"),
+                       "expandable segments; 8 GPUs per node; float8 tensorwise with float8 "
+                       "all-gather as the 8B rows, and torchao's float8 tensor-parallel styles "
+                       "(torchtitan's apply_tp with float8 then)"),
     Published("Trainy: Llama-3.1-8B, 32 H200s, compile + float8", TRAINY,
               "| 4 | 10938 | 47.96 |", "reserved", 47.96, run=TRAINY_8B, gpu="H200",
               torch="2.8",
@@ -243,11 +261,27 @@ ROWS = [
               "FSDP2 (AC): ... 32.64% peak reserved", "reserved", 31.02, ROW_17,
               inferred=FULL_AC_7B, torch="2.3"),
     Published("torchtitan PR 165: FSDP2, selective AC", PR_165,
-              "FSDP2 (SAC): 52.13% peak active, 62.51% peak reserved", "reserved", 59.41,
-              missing="selective AC of a kind the PR does not name"),
+              "FSDP2 (SAC): 52.13% peak active", "active", 0.5213 * H100_95_GIB, ROW_17_SAC,
+              inferred=f"{FULL_AC_7B}; {SAC_THEN}", torch="2.3"),
+    Published("torchtitan PR 165: FSDP2, selective AC, reserved", PR_165,
+              "FSDP2 (SAC): ... 62.51% peak reserved", "reserved", 0.6251 * H100_95_GIB,
+              ROW_17_SAC, inferred=f"{FULL_AC_7B}; {SAC_THEN}", torch="2.3"),
+    Published("torchtitan PR 165: FSDP2, full AC, compile", PR_165,
+              "FSDP2 (AC), buffer reuse enabled: 28.90 GiB (30.40%) peak reserved", "reserved",
+              28.90, run=_compiled(ROW_17), inferred=f"{FULL_AC_7B}; per-block compile",
+              torch="2.3"),
+    Published("torchtitan PR 165: FSDP2, selective AC, compile", PR_165,
+              "FSDP2 (SAC), buffer reuse enabled: 53.83 GiB (56.64%) peak reserved",
+              "reserved", 53.83, run=_compiled(ROW_17_SAC),
+              inferred=f"{FULL_AC_7B}; {SAC_THEN}; per-block compile", torch="2.3"),
+    Published("torchtitan PR 165: FSDP2, selective AC, compile, batch 16", PR_165,
+              "FSDP2 (SAC) with 16 local batch size (doubled), we get 88.23 GiB (92.84%) peak "
+              "reserved", "reserved", 88.23,
+              run=_compiled(_llama("llama2-7b", 8, 2048, 16, "selective_op")),
+              inferred=f"{FULL_AC_7B}; {SAC_THEN}; per-block compile", torch="2.3"),
     Published("torchtitan PR 165: FSDP2, no AC, compile", PR_165,
               "FSDP2 (no AC) ... 90.28 GiB (94.99%) peak reserved", "reserved", 90.28,
-              run=_llama("llama2-7b", 8, 2048, 8, "none", compile="block"),
+              run=_compiled(_llama("llama2-7b", 8, 2048, 8, "none")),
               inferred=f"{FULL_AC_7B}; per-block compile", torch="2.3"),
     Published("pytorch PR 132445: Llama3-8B, 8 GPUs, no AC, batch 1", PR_132445,
               "memory: 77.29GiB(81.32%)", "reserved", 77.29, ROW_24, torch="2.5",
@@ -255,7 +289,8 @@ ROWS = [
                        "torch 2.5 nightly (2024-08)"),
     Published("torchtitan PR 382: Llama3-8B, 8 GPUs, op SAC, compile, fused AdamW", PR_382,
               "memory: 68.09GiB(71.65%)", "reserved", 68.09,
-              missing="compiled runs' memory (the eager estimate is an upper bound)"),
+              missing="its local batch and sequence length, which the quoted log line does not "
+                      "state (the PR's text is not at hand here)"),
     Published("torchao float8 README: Llama3-8B bf16, 8 GPUs, op SAC, compile", TORCHAO,
               "| Llama3-8b | none (bfloat16) | per op SAC | 47.65 |", "reserved", 47.65,
               run=TORCHAO_8B, inferred=TORCHAO_RUNS, torch="2.7"),

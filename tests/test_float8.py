@@ -4,6 +4,7 @@ every recipe, gathers half the bytes for the converted weights, and is estimated
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -57,9 +58,17 @@ def test_float8_all_gather_with_rowwise_scaling_is_refused_in_one_line(
     assert "not rowwise" in line
 
 
-def test_float8_with_tensor_parallelism_is_refused() -> None:
-    with pytest.raises(CombinationError, match=r"train\.float8.*tp_size 1"):
-        RunConfig(world_size=2, tp_size=2, train=TrainConfig(float8="tensorwise"))
+def test_float8_activations_gathered_over_gloo_are_refused_before_launch() -> None:
+    """Tensorwise float8 with sequence parallel gathers float8 activations (torchao's float8
+    tensor-parallel styles), which gloo cannot carry: refused off CUDA, in one line naming the
+    way out; without sequence parallel, or rowwise, the CPU runs it."""
+    gathered = RunConfig(world_size=2, tp_size=2, train=TrainConfig(float8="tensorwise"))
+    with pytest.raises(CombinationError, match=r"train\.float8.*tp_sequence_parallel: false"):
+        gathered.check_device("cpu")
+    gathered.check_device("cuda")
+    dataclasses.replace(gathered, tp_sequence_parallel=False).check_device("cpu")
+    rowwise = dataclasses.replace(gathered.train, float8="rowwise")
+    dataclasses.replace(gathered, train=rowwise).check_device("cpu")
 
 
 @pytest.mark.slow

@@ -25,8 +25,10 @@ ROOT_BYTES_PER_TP_RANK = (2 * 1024 * 128 // 2 + 128) * 4  # embedding, output sp
 @pytest.mark.slow
 def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path: Path) -> None:
     """tiny at world size 4 over tp_size [1, 2], HSDP x TP (2 replicas x 1 shard x tp 2),
-    and small (8 key/value heads) at tp_size 4, with --verify: parity holds, and the memory
-    estimate made before launch is within 5% of the peak tracked in the run.
+    small (8 key/value heads) at tp_size 4, and tensorwise float8 at tp_size 2 (torchao's
+    float8 tensor-parallel styles; float8 all-gather on the shard dimension), with --verify:
+    parity holds, and the memory estimate made before launch is within 5% of the peak
+    tracked in the run.
 
     tp_size 2 (mesh 2 x 2, sequence parallel). On the shard dimension FSDP2 does what it does
     without TP, on parameters half the size: 5 all-gathers in forward (root, 4 blocks), 4 in
@@ -43,15 +45,18 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
         {"tp_size": [1, 2]},
         {"tp_size": [2], "strategy": ["hsdp"], "fsdp.shard_group_size": [2]},
         {"tp_size": [4], "model.name": ["small"]},
-    ]
+        {"tp_size": [2], "train.float8": ["tensorwise"], "fsdp.float8_all_gather": [True],
+         "tp_sequence_parallel": [False]},
+    ]  # fmt: skip
     _, df = sweep(tmp_path, tiny_grid("tp", axes, world_size=4), verify=True)
-    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]].to_string()
     error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
     assert (error < 0.05).all(), df[["tp_size", "estimated_peak_gib", "tracked_peak_gib"]]
     hsdp = df[df.strategy == "hsdp"].iloc[0]
     assert set(hsdp.collectives_per_dimension) == {"replicate", "tp"}  # shards of one rank
     assert hsdp.collectives_per_dimension["replicate"]["all_reduces"] == 5  # one per group
-    by_tp = {int(row.tp_size): row for row in df[df.strategy == "fsdp"].itertuples()}
+    plain = df[(df.strategy == "fsdp") & (df.float8 == "none")]
+    by_tp = {int(row.tp_size): row for row in plain.itertuples()}
     assert by_tp[1].collectives_per_dimension == {
         "shard": {
             "all_gathers": 9,
@@ -196,7 +201,7 @@ def test_a_transformers_model_runs_the_plan_its_config_ships(tmp_path: Path) -> 
     grid["base"]["model"] = {"name": f"hf:{tmp_path / 'llama'}"}
     grid["base"]["data"] = {"seq_len": 32}
     _, df = sweep(tmp_path, grid, verify=True)
-    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]].to_string()
     assert set(df.collectives_per_dimension.iloc[0]) == {"shard", "tp"}
 
     grid["name"], grid["base"]["model"] = "tp-gpt2", {"name": f"hf:{tmp_path / 'gpt2'}"}

@@ -191,6 +191,15 @@ class RunConfig:
             raise CombinationError(
                 "fsdp.symm_mem", True, f"needs CUDA (NCCL symmetric memory), not {device_type}"
             )
+        float8_gathers = self.train.float8 == "tensorwise" and self.tp_sequence_parallel
+        if float8_gathers and self.tp_size > 1 and device_type != "cuda":
+            raise CombinationError(
+                "train.float8",
+                "tensorwise",
+                "with tensor parallelism and tp_sequence_parallel gathers float8 activations, "
+                f"which gloo cannot carry (no float8 dtype): needs CUDA, not {device_type}; on "
+                "the CPU set tp_sequence_parallel: false or train.float8: rowwise",
+            )
 
     def _check_train(self) -> None:
         if self.train.grad_sync == "all_reduce_last" and self.strategy != "hsdp":
@@ -205,10 +214,6 @@ class RunConfig:
                 True,
                 "needs train.float8: tensorwise (torchao gathers float8 weights with "
                 f"tensorwise scales only), not {self.train.float8}",
-            )
-        if self.train.float8 != "none" and self.tp_size > 1:
-            raise CombinationError(
-                "train.float8", self.train.float8, "runs with tp_size 1 only (for now)"
             )
 
     @property

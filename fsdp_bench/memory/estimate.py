@@ -119,11 +119,12 @@ def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunE
     simulation's check (`simulate_alike`); one that fails is estimated apart, to say which."""
     import torch
 
-    from fsdp_bench.memory.simulate import simulate_alike  # torch: only where it simulates
+    from fsdp_bench.memory.fake import in_fresh_thread  # torch: only where it simulates
+    from fsdp_bench.memory.simulate import simulate_alike
 
     estimates = [_analytic(run, device_type) for run in runs]
     try:
-        simulated = simulate_alike(runs, device_type=device_type)
+        simulated = in_fresh_thread(simulate_alike, runs, device_type=device_type)
     except Exception as err:  # an estimate that fails is reported, not fatal
         if len(runs) > 1:
             return [estimate_run(run, device_type) for run in runs]

@@ -9,13 +9,17 @@ file is what changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["fake_tensors", "fake_world"]
+__all__ = ["fake_tensors", "fake_world", "in_fresh_thread"]
+
+T = TypeVar("T")
 
 
 def fake_tensors() -> FakeTensorMode:
@@ -37,3 +41,14 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def in_fresh_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`function(*args, **kwargs)` on a thread of its own, its exception raised here.
+
+    Successive fake worlds in one process build device meshes that compare equal (same
+    ranks, layout and names), and torch keeps per-thread state keyed by them: an HSDP x TP
+    simulation after a TP one was handed the earlier world's process groups and gathered the
+    sequence over a group of one rank. A thread's state ends with it."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(function, *args, **kwargs).result()

@@ -103,7 +103,7 @@ def wrap_on_meta(
             target_device_type or device.type,
         )
     if run.tp_size > 1:
-        apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel)
+        apply_tensor_parallel(bundle, mesh["tp"], run.tp_sequence_parallel, run.train.float8)
         mesh = mesh[run.mesh_dim_names[:-1]]  # (replicate,) shard: FSDP2's (HSDP's) mesh
     bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module

@@ -18,6 +18,8 @@ Source: torchtitan, torchtitan/models/llama3/infra/parallelize.py (`apply_tp`), 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -34,31 +36,46 @@ from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import ModelBundle, Transformer
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan of one transformer block, by submodule name."""
+def block_plan(sequence_parallel: bool, float8: bool = False) -> dict[str, ParallelStyle]:
+    """The plan of one transformer block, by submodule name. With `float8` (tensorwise
+    Float8Linears), torchao's float8 styles, as torchtitan applies them: activations are cast
+    before the sequence-parallel all-gather, which then carries float8, and gradients are cast
+    to float8 on their way back."""
+    colwise, rowwise, prepare_input = (
+        _float8_styles() if float8 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    )
     plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w3": colwise(),
     }
     if not sequence_parallel:
-        return {**plan, "attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+        return {**plan, "attention.wo": rowwise(), "feed_forward.w2": rowwise()}
     seq = Shard(1)
     return {
         **plan,
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
+        "attention": prepare_input(
             input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
         ),
-        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "attention.wo": rowwise(output_layouts=seq),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "feed_forward": prepare_input(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w2": rowwise(output_layouts=seq),
     }
+
+
+def _float8_styles() -> tuple[Any, Any, Any]:
+    """torchao's Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput."""
+    from torchao.float8 import float8_tensor_parallel as styles
+
+    return (
+        styles.Float8ColwiseParallel,
+        styles.Float8RowwiseParallel,
+        styles.PrepareFloat8ModuleInput,
+    )
 
 
 def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -73,13 +90,18 @@ def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(bundle: ModelBundle, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split the model over `mesh` (the TP dimension): a preset by torchtitan's plan, a
-    transformers model by the plan its config class ships, a user's model by the bundle's."""
+def apply_tensor_parallel(
+    bundle: ModelBundle, mesh: DeviceMesh, sequence_parallel: bool, float8: str = "none"
+) -> None:
+    """Split the model over `mesh` (the TP dimension): a preset by torchtitan's plan (with
+    torchao's float8 styles for tensorwise float8, as torchtitan), a transformers model by the
+    plan its config class ships, a user's model by the bundle's (their Float8Linears, if any,
+    split by the plain styles: float8 compute, activations gathered in bf16)."""
     model = bundle.module
     if isinstance(model, Transformer):
+        float8_styles = float8 == "tensorwise"
         for block in bundle.blocks:
-            parallelize_module(block, mesh, block_plan(sequence_parallel))
+            parallelize_module(block, mesh, block_plan(sequence_parallel, float8_styles))
         parallelize_module(model, mesh, model_plan(sequence_parallel))
     elif bundle.tp_plan is not None:
         parallelize_module(model, mesh, bundle.tp_plan)
