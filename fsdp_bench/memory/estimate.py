@@ -26,7 +26,7 @@ from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-13"
+CACHE_VERSION = f"{__version__}/estimator-14"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
