@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_bench.config import DataConfig, ModelConfig, RunConfig
+from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.errors import CombinationError
 from tests.conftest import sweep, tiny_grid, write_grid
 
@@ -102,6 +103,20 @@ def test_tp_sweep_trains_correctly_and_counts_collectives_per_dimension(tmp_path
 def test_bad_tp_sizes_get_one_line(settings: dict[str, object], message: str) -> None:
     with pytest.raises(CombinationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RunConfig(model=ModelConfig(name="tiny"), data=DataConfig(seq_len=64), **settings)
+
+
+def test_simulations_in_one_process_do_not_share_process_groups() -> None:
+    """An HSDP x TP simulation after a TP one without sequence parallel, in one process: the
+    second used to get the first world's tensor-parallel group back (torch's per-thread state
+    keyed by meshes that compare equal) and failed on a sequence gathered twice."""
+    from fsdp_bench.memory.simulate import simulate_alike
+
+    tp = RunConfig(
+        world_size=4, tp_size=2, model=ModelConfig(name="tiny"), data=DataConfig(seq_len=128)
+    )
+    hsdp_tp = dataclasses.replace(tp, strategy="hsdp", fsdp=FsdpConfig(shard_group_size=2))
+    simulate_alike([dataclasses.replace(tp, tp_sequence_parallel=False)])
+    assert simulate_alike([hsdp_tp])[0].peak_bytes > 0  # it raised a shape error before
 
 
 def test_a_tensor_parallel_group_shares_its_batch() -> None:

@@ -33,7 +33,8 @@ buckets; 4: the model built for the run's device; 5: the caching allocator's fig
 practitioners' settings; 7: deep models' traces made from shallow ones; 10: tensor
 parallelism, and a trace deepened where a rotary table had the size of a post-forward shard;
 11: one step simulated, the second made from it, which the figures of the example grids
-showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept)."""
+showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept; 14:
+each fake world on a thread of its own, float8 with tensor parallelism)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -119,12 +120,11 @@ def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunE
     simulation's check (`simulate_alike`); one that fails is estimated apart, to say which."""
     import torch
 
-    from fsdp_bench.memory.fake import in_fresh_thread  # torch: only where it simulates
-    from fsdp_bench.memory.simulate import simulate_alike
+    from fsdp_bench.memory.simulate import simulate_alike  # torch: only where it simulates
 
     estimates = [_analytic(run, device_type) for run in runs]
     try:
-        simulated = in_fresh_thread(simulate_alike, runs, device_type=device_type)
+        simulated = simulate_alike(runs, device_type=device_type)
     except Exception as err:  # an estimate that fails is reported, not fatal
         if len(runs) > 1:
             return [estimate_run(run, device_type) for run in runs]

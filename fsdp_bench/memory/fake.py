@@ -9,16 +9,18 @@ file is what changes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["fake_tensors", "fake_world", "in_fresh_thread"]
+__all__ = ["fake_tensors", "fake_world", "on_fresh_thread"]
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -43,12 +45,18 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def in_fresh_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`function(*args, **kwargs)` on a thread of its own, its exception raised here.
+def on_fresh_thread(function: Callable[P, T]) -> Callable[P, T]:
+    """`function`, each call run on a thread of its own, its exception raised in the caller.
 
-    Successive fake worlds in one process build device meshes that compare equal (same
-    ranks, layout and names), and torch keeps per-thread state keyed by them: an HSDP x TP
-    simulation after a TP one was handed the earlier world's process groups and gathered the
-    sequence over a group of one rank. A thread's state ends with it."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(function, *args, **kwargs).result()
+    For what builds a fake world: successive fake worlds in one process build device meshes
+    that compare equal (same ranks, layout and names), and torch keeps per-thread state keyed
+    by them: an HSDP x TP simulation after a TP one was handed the earlier world's process
+    groups and gathered the sequence over a group of one rank. A thread's state ends with
+    it."""
+
+    @functools.wraps(function)
+    def on_thread(*args: P.args, **kwargs: P.kwargs) -> T:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(function, *args, **kwargs).result()
+
+    return on_thread

@@ -36,7 +36,7 @@ from fsdp_bench.job.training import (
 from fsdp_bench.memory.alloc_trace import AllocationTrace, BlockContext, recording
 from fsdp_bench.memory.compiled import compiled_as, partitioned_backend
 from fsdp_bench.memory.cuda_kernels import use_cuda_kernels
-from fsdp_bench.memory.fake import fake_tensors, fake_world
+from fsdp_bench.memory.fake import fake_tensors, fake_world, on_fresh_thread
 from fsdp_bench.memory.repeat_step import STEP, WARMUP
 
 
@@ -48,6 +48,7 @@ class SimulatedStep(MemoryReport):
     reserved_bytes: int = 0
 
 
+@on_fresh_thread
 def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
     """A warm-up step, then the profiled step, all on fake tensors; on CUDA their allocations
     replayed through the caching allocator model.
@@ -87,6 +88,7 @@ class RecordedStep:
     """With CPU offload: `MemoryReport.offloaded_shard_bytes`, `offloaded_state_bytes`."""
 
 
+@on_fresh_thread
 def record_step(run: RunConfig, device_type: str = "cpu", *, steps: int = 2) -> RecordedStep:
     """`simulate_step`'s two steps without the tracker, every allocation recorded and tagged
     with its block, classified as the tracker would (parameters, gradients, optimizer state).
