@@ -146,6 +146,19 @@ TRAINY_8B = dataclasses.replace(
     _TRAINY,
     processes_per_node=8,
     fsdp=dataclasses.replace(_TRAINY.fsdp, reshard_after_forward="default"),
+    train=dataclasses.replace(_TRAINY.train, compile_loss=True),
+)
+TRAINY_8B_64 = dataclasses.replace(TRAINY_8B, world_size=64)
+TRAINY_RUNS = (
+    "--training.local_batch_size=2, --training.compile, float8 tensorwise with float8 "
+    "all-gather and the scale precompute (the command); the loss compiled as well (torchtitan "
+    "compiles it with --training.compile since its PR 1033, 2025-04-01); "
+    "--float8.force_recompute_fp8_weight_in_bwd not modelled (a workaround that torch's PR "
+    "148922 made unneeded; torchao's PR 2356, 2025-06-11, made it do nothing); seq 8192, "
+    "selective AC per op, bf16 with fp32 reduction, clipping 1.0 and expandable segments "
+    "(llama3_8b.toml and run_train.sh at torchtitan e7c0cae); reshard after forward by "
+    "FSDP2's default (torchtitan's 'default' policy since its PR 1094); torch 2.8 nightly "
+    "(2025-05-29); torchtitan's memory figure is the peak reserved"
 )
 T3_COMPILED = dataclasses.replace(COMPILED, world_size=128)
 T2 = _float8(_llama("llama3-8b", 8, 32768, 1, "block", 1.0, expandable=True, compile="block"))
@@ -244,13 +257,10 @@ ROWS = [
     Published("Trainy: Llama-3.1-8B, 32 H200s, compile + float8", TRAINY,
               "| 4 | 10938 | 47.96 |", "reserved", 47.96, run=TRAINY_8B, gpu="H200",
               torch="2.8",
-              inferred="4 nodes of 8 H200s, --training.local_batch_size=2, --training.compile, "
-                       "float8 tensorwise with float8 all-gather and the scale precompute (the "
-                       "command); seq 8192, selective AC per op, bf16 with fp32 reduction, "
-                       "clipping 1.0 and expandable segments (llama3_8b.toml and run_train.sh "
-                       "at torchtitan e7c0cae); reshard after forward by FSDP2's default "
-                       "(torchtitan's 'default' policy since its PR 1094); torch 2.8 nightly "
-                       "(2025-05-29); torchtitan's memory figure is the peak reserved"),
+              inferred=f"4 nodes of 8 H200s, {TRAINY_RUNS}"),
+    Published("Trainy: the same on 8 nodes, 64 H200s", TRAINY,
+              "| 8 | 10753 | 46.97 |", "reserved", 46.97, run=TRAINY_8B_64, gpu="H200",
+              torch="2.8", inferred=f"8 nodes of 8 H200s, {TRAINY_RUNS}"),
     Published("torchtitan PR 165: Llama-7B, 8 GPUs, FSDP1, full AC", PR_165,
               "FSDP1 (AC): 24.81% peak active, 33.82% peak reserved", "reserved", 32.14,
               missing="FSDP1 (the tool runs FSDP2)"),

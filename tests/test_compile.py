@@ -4,10 +4,19 @@ becomes an error record naming it while the sweep goes on."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fsdp_bench.config.run import RunConfig, TrainConfig
+from fsdp_bench.job.measure.allocator_peak import allocator_peak
+from fsdp_bench.job.training import build_loss, loss_fn
+from fsdp_bench.memory.alloc_trace import recording
+from fsdp_bench.memory.compiled import partitioned_backend
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow
@@ -16,13 +25,15 @@ pytestmark = pytest.mark.slow
 def test_compiled_runs_match_eager_and_are_measured_and_estimated(tmp_path: Path) -> None:
     axes = [
         {"train.compile": ["none", "block", "model"]},
-        {"train.compile": ["block", "model"], "fsdp.activation_checkpointing": ["block"]},
+        {"train.compile": ["model"], "fsdp.activation_checkpointing": ["block"]},
         {"train.compile": ["block"], "strategy": ["ddp"]},
+        {"train.compile": ["none", "block"], "train.compile_loss": [True]},
     ]
     outcome, df = sweep(tmp_path, tiny_grid("compile", axes), verify=True)
-    assert outcome.statuses == {"ok": 6}, df[["run_id", "status", "reason"]]
+    assert outcome.statuses == {"ok": 7}, df[["run_id", "status", "reason"]]
     assert df.parity_ok.all(), df[["compile", "parity_grad_max_abs_diff"]]
-    eager, compiled = df[df.compile == "none"], df[df.compile != "none"]
+    is_compiled = (df.compile != "none") | df.compile_loss
+    eager, compiled = df[~is_compiled], df[is_compiled]
     assert eager.compile_s.isna().all()
     # Every compiled run paid its own compilation (dynamo's caches cleared between runs of
     # the job): far more than a step of the tiny model.
@@ -55,3 +66,44 @@ def test_a_compiler_that_fails_is_an_error_record_naming_it(
     assert by_mode.loc["block", "status"] == "error"
     reason = by_mode.loc["block", "reason"]
     assert "torch.compile failed" in reason and "/nonexistent/g++" in reason, reason
+
+
+def _loss_peak_in_logits(loss: Any, logits_dtype: torch.dtype, fake: bool) -> float:
+    """The peak of a loss's forward and backward above what was alive before, in multiples
+    of the logits' size: at the CPU allocator for real tensors, in the simulation's
+    recording for fake ones."""
+    shape, vocab = (2, 512, 32000), 32000
+    logits_bytes = 2 * 512 * 32000 * logits_dtype.itemsize
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        leaf = torch.randn(shape, dtype=logits_dtype, requires_grad=True)
+        targets = torch.randint(0, vocab, shape[:2])
+        for _ in range(2):  # the first compiles
+            with recording() if fake else allocator_peak() as seen:
+                loss(leaf * 1, targets).backward()  # the logits: made, and freed in backward
+            leaf.grad = None
+    peak = seen.trace.live_peak()[0] if fake else seen.bytes_above_start
+    return peak / logits_bytes
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32])
+def test_a_compiled_loss_is_simulated_as_inductor_runs_it(logits_dtype: torch.dtype) -> None:
+    """`train.compile_loss`: the cross-entropy with its fp32 upcast, eager and compiled with
+    inductor, its peak at the CPU allocator beside the simulation's (the partitioned graphs
+    with inductor's fused intermediates unseen), both built by `build_loss`."""
+    run = RunConfig(train=TrainConfig(compile_loss=True))
+    torch._dynamo.reset()
+    real = {
+        "eager": _loss_peak_in_logits(loss_fn, logits_dtype, fake=False),
+        "compiled": _loss_peak_in_logits(build_loss(run), logits_dtype, fake=False),
+    }
+    simulated = {
+        "eager": _loss_peak_in_logits(loss_fn, logits_dtype, fake=True),
+        "compiled": _loss_peak_in_logits(
+            build_loss(run, partitioned_backend(fused=True)), logits_dtype, fake=True
+        ),
+    }
+    assert simulated == pytest.approx(real, rel=0.02), (real, simulated)
+    # Fused, the fp32 logits and log-softmax never exist: the logits and their gradient, a
+    # logits' size or more below eager (four of them for bf16 logits).
+    assert real["compiled"] == pytest.approx(2.0, rel=0.02), real
+    assert real["eager"] - real["compiled"] >= (3.9 if logits_dtype == torch.bfloat16 else 0.9)

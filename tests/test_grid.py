@@ -300,6 +300,11 @@ def test_run_id_is_the_same_in_another_process() -> None:
             "base.train.max_grad_norm: 0.0 is not allowed; expected a number > 0 or null",
         ),
         (
+            grid(base={"world_size": 4, "tp_size": 2, "train": {"compile_loss": True}}),
+            "train.compile_loss: true is not allowed; compiles the loss on whole logits: needs "
+            "tp_size 1, not 2",
+        ),
+        (
             grid(launcher={"kind": "kubernetes"}),
             "launcher.kind: 'kubernetes' is not allowed; expected one of local",
         ),

@@ -65,6 +65,11 @@ class TrainConfig:
     activation checkpointing and before fully_shard, as torchtitan does) or model (the whole
     model; FSDP2's hooks run eagerly between the compiled pieces). Warm-up pays the
     compilation; the record keeps it as compile_s."""
+    compile_loss: bool = False
+    """torch.compile (inductor) the loss, the cross-entropy with its fp32 upcast, on its own,
+    as torchtitan does whenever it compiles (since its PR 1033, 2025-04): fused, the fp32
+    logits and their log-softmax are never made, and the step's peak at the loss falls from
+    about six logits-sized tensors to two."""
     float8: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
     """Float8 linears (torchao): the blocks' Linears whose dimensions are multiples of 16 run
     their matmuls in float8 with dynamic scales per tensor, per row, or per row with the
@@ -75,6 +80,11 @@ class TrainConfig:
     expandable_segments:True): one segment per stream that maps pages as it grows, instead
     of one cudaMalloc per segment, so less memory is reserved but unused (fragmentation).
     The worker switches it for the run; the memory estimate models it. CPU runs ignore it."""
+
+    @property
+    def compiled(self) -> bool:
+        """Anything compiled: the model's blocks, the model, or the loss."""
+        return self.compile != "none" or self.compile_loss
 
     def __post_init__(self) -> None:
         at_least(self, "accumulation_steps", 1)
@@ -214,6 +224,13 @@ class RunConfig:
                 True,
                 "needs train.float8: tensorwise (torchao gathers float8 weights with "
                 f"tensorwise scales only), not {self.train.float8}",
+            )
+        if self.train.compile_loss and self.tp_size > 1:
+            raise CombinationError(
+                "train.compile_loss",
+                True,
+                "compiles the loss on whole logits: needs tp_size 1, not "
+                f"{self.tp_size} (tensor parallelism's loss runs on vocabulary shards)",
             )
 
     @property

@@ -12,6 +12,7 @@ import functools
 import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from fsdp_bench.job.parallel.float8 import scale_precompute
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+CompileBackend = str | Callable[..., Any] | None
+"""What torch.compile compiles with: inductor in a run; None: nothing compiled."""
 """Wraps each phase of a step ("forward", "backward", "optimizer"), e.g. record_function."""
 
 
@@ -60,7 +64,25 @@ def rank_batches(run: RunConfig, rank: int, vocab_size: int, device: torch.devic
 
 def loss_fn(output: object, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a model's output (logits, or an object with `.logits`)."""
-    return F.cross_entropy(logits_of(output).flatten(0, 1).float(), targets.flatten())
+    return _cross_entropy(logits_of(output), targets)
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_loss(run: RunConfig, compile_backend: CompileBackend = "inductor") -> LossFn:
+    """`loss_fn`, its cross-entropy compiled with `compile_backend` when the run compiles the
+    loss (`train.compile_loss`; the memory simulation passes its own backend, None where it
+    runs the run eagerly)."""
+    if not run.train.compile_loss or compile_backend is None:
+        return loss_fn
+    compiled = torch.compile(_cross_entropy, backend=compile_backend)
+
+    def compiled_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+        return compiled(logits_of(output), targets)
+
+    return compiled_loss
 
 
 def synchronize(device: torch.device) -> None:
@@ -128,6 +150,7 @@ def forward_backward(
     mark: Mark | None = None,
     sharded_logits: bool = False,
     reshard_after_backward: str = "every",
+    loss: LossFn = loss_fn,
 ) -> Callable[[], None]:
     """The step's micro-batches: forward and backward, loss scaled by 1/K; what only the last
     one does (`_last_micro_batch_switches`) switched on or off before each.
@@ -142,7 +165,7 @@ def forward_backward(
 
     def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # No name for the logits: held through backward they would add their full size.
-        return loss_fn(model(inputs), targets)
+        return loss(model(inputs), targets)
 
     if autocast is not None:  # decided once here, not in every micro-batch of the timed loop
         plain_loss, device_type = loss_of, batches[0][0].device.type
@@ -230,15 +253,18 @@ def make_train_step(
     run: RunConfig,
     before_micro_batch: Callable[[], None] | None = None,
     mark: Mark | None = None,
+    compile_backend: CompileBackend = "inductor",
 ) -> Callable[[], None]:
     """One optimizer step as a closure: the exact code the timed loop runs (with `mark`,
     the same step with each phase wrapped, for a profiled step). With float8 all-gather, the
     step ends by computing the next gathers' scales; not under fake tensors (the memory
-    simulation), where torchao 0.18 cannot (a DTensor's truth value in its flatten)."""
+    simulation), where torchao 0.18 cannot (a DTensor's truth value in its flatten).
+    `compile_backend` compiles the loss where the run asks (`build_loss`)."""
     micro_batches = forward_backward(
         model, batches, run.train.grad_sync, before_micro_batch, autocast_dtype(run), mark,
         sharded_logits=run.tp_size > 1,
         reshard_after_backward=run.fsdp.reshard_after_backward,
+        loss=build_loss(run, compile_backend),
     )  # fmt: skip
 
     max_norm = run.train.max_grad_norm

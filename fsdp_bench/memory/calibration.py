@@ -20,6 +20,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_bench.config.grid_settings import MemoryConfig
 from fsdp_bench.config.run import RunConfig
@@ -86,7 +87,7 @@ class Calibration:
         return Calibration(self.configured_outside_gib, gpu=self.gpu)
 
     def correction(self, run: RunConfig) -> Correction:
-        compiled = run.train.compile != "none"
+        compiled = run.train.compiled
         mine = [s for s in self.samples if s.compiled == compiled and self._on_my_gpu(s.device)]
         model, world_size = run.model.name, run.world_size
         scopes = {
@@ -175,11 +176,11 @@ def _sample(result: RunResult) -> Sample | None:
     if config.get("fault", {}).get("kind", "none") != "none":
         return None  # an injected failure says nothing about memory
     device = str(result.provenance.get("device_name", ""))
-    common = {
+    common: dict[str, Any] = {
         "run_id": result.run_id,
         "model": str(config.get("model", {}).get("name", "")),
         "world_size": int(config.get("world_size", 1)),
-        "compiled": config.get("train", {}).get("compile", "none") != "none",
+        "compiled": _compiled(config.get("train", {})),
     }
     if result.status == "ok":
         if result.peak_reserved_gib and result.estimated_reserved_gib:
@@ -208,3 +209,8 @@ def _oom_needed_gib(reason: str) -> float | None:
         return None
     asked, asked_unit, held, held_unit = found.groups()
     return float(asked) * _UNIT_GIB[asked_unit] + float(held) * _UNIT_GIB[held_unit]
+
+
+def _compiled(train: dict[str, object]) -> bool:
+    """A stored run's `train` settings compile something (`TrainConfig.compiled`)."""
+    return train.get("compile", "none") != "none" or bool(train.get("compile_loss", False))

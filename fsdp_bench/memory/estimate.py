@@ -26,7 +26,7 @@ from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-14"
+CACHE_VERSION = f"{__version__}/estimator-15"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
@@ -34,7 +34,8 @@ practitioners' settings; 7: deep models' traces made from shallow ones; 10: tens
 parallelism, and a trace deepened where a rotary table had the size of a post-forward shard;
 11: one step simulated, the second made from it, which the figures of the example grids
 showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept; 14:
-each fake world on a thread of its own, float8 with tensor parallelism)."""
+each fake world on a thread of its own, float8 with tensor parallelism; 15: the compiled loss,
+inductor's fusion of it modelled)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -79,7 +80,8 @@ class RunEstimate:
     """On CUDA: the default model of memory outside the allocator (`device_memory`)."""
     world_size: int = 1
     compiled: bool = False
-    """train.compile is set: simulated from the partitioned graphs (`memory.compiled`)."""
+    """train.compile or train.compile_loss is set: simulated from the partitioned graphs
+    (`memory.compiled`)."""
     torch_version: str = ""
     """The torch the step was simulated with: what the real run is taken to use."""
     version: str = CACHE_VERSION
@@ -151,7 +153,7 @@ def _analytic(run: RunConfig, device_type: str) -> RunEstimate:
         run_id=run.run_id,
         device_type=device_type,
         world_size=run.world_size,
-        compiled=run.train.compile != "none",
+        compiled=run.train.compiled,
         outside_terms_gib=outside_terms_gib(run, device_type),
         estimated_peak_gib=None,
         analytic_peak_gib=analytic.peak_bytes / GIB if analytic else None,

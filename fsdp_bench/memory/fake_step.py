@@ -63,10 +63,13 @@ def simulate_step(run: RunConfig, device_type: str = "cpu") -> SimulatedStep:
             # A warm-up step, as the run's: the optimizer's state, and the allocator's cache as
             # a first step leaves it (creating the state up front instead, on zero gradients,
             # gave the same tensors but a reserve 4-6% higher than a real run's order).
-            make_train_step(model, optimizer, batches, run)()
+            loss_backend = _backend(run, loss=True)
+            make_train_step(model, optimizer, batches, run, compile_backend=loss_backend)()
             if recorder is not None:
                 recorder.classify(optimizer_state_tensors(optimizer), "optimizer_state")
-            memory = profile_step(model, optimizer, batches, run, break_down=False).memory
+            memory = profile_step(
+                model, optimizer, batches, run, break_down=False, compile_backend=loss_backend
+            ).memory
             if run.fsdp.cpu_offload and run.strategy != "ddp":
                 _measure_offload(memory, model, optimizer)
     if recorder is None:  # not on CUDA: no caching allocator to model
@@ -110,7 +113,9 @@ def record_step(run: RunConfig, device_type: str = "cpu", *, steps: int = 2) -> 
                 with context.mark(name):
                     yield
 
-            step = make_train_step(model, optimizer, batches, run, mark=phase)
+            step = make_train_step(
+                model, optimizer, batches, run, mark=phase, compile_backend=_backend(run, loss=True)
+            )
             recorder.mark(WARMUP)
             step()
             recorder.classify(optimizer_state_tensors(optimizer), "optimizer_state")
@@ -143,10 +148,17 @@ def _simulated_model(
             run,
             mesh,
             device,
-            compile_backend=partitioned_backend() if compiled_as(run) == "partition" else None,
+            compile_backend=_backend(run),
             target_device_type=device_type,
         )
         yield model, _outermost_blocks(model, bundle, run), device
+
+
+def _backend(run: RunConfig, *, loss: bool = False) -> Any:
+    """What compiles the run's compiled pieces here (the loss's with inductor's fusion): the
+    partitioned graphs run as operators (`memory.compiled`), or nothing (eager: not compiled,
+    or compiled with tensor parallelism, estimated as eager)."""
+    return partitioned_backend(fused=loss) if compiled_as(run) == "partition" else None
 
 
 def _outermost_blocks(model: nn.Module, bundle: ModelBundle, run: RunConfig) -> ModelBundle:

@@ -31,7 +31,12 @@ from fsdp_bench.job.measure.memory_timeline import (
 )
 from fsdp_bench.job.measure.step_trace import StepBreakdown, trace_step
 from fsdp_bench.job.measure.tracker import SeesCompiledRegions, TensorMemoryTracker
-from fsdp_bench.job.training import Batch, make_train_step, optimizer_state_tensors
+from fsdp_bench.job.training import (
+    Batch,
+    CompileBackend,
+    make_train_step,
+    optimizer_state_tensors,
+)
 
 _MATMULS = {"mm", "addmm", "bmm"}
 
@@ -240,10 +245,12 @@ def profile_step(
     trace_path: Path | None = None,
     break_down: bool = True,
     mesh: DeviceMesh | None = None,
+    compile_backend: CompileBackend = "inductor",
 ) -> StepProfile:
     """One untimed optimizer step under the memory tracker and the collective counter, then
     (`break_down`) one under torch.profiler (`step_trace`; its trace kept at `trace_path`).
-    Collectives are counted per dimension of `mesh` too.
+    Collectives are counted per dimension of `mesh` too; a compiled loss is compiled with
+    `compile_backend` (the memory simulation's own, under fake tensors).
     With `break_down` the tracked step also samples the memory timeline (`memory_timeline`;
     on CUDA with a trace path, the allocator's history is saved beside the trace).
 
@@ -260,7 +267,7 @@ def profile_step(
     tracker = TensorMemoryTracker(held_apart=run.strategy == "ddp")
     tracker.track_external(model, optimizer)
     step = make_train_step(
-        model, optimizer, batches, run, before_micro_batch=tracker.reset_mod_stats
+        model, optimizer, batches, run, tracker.reset_mod_stats, compile_backend=compile_backend
     )
     counter = CollectiveCounter(group_dimensions(mesh))
     device = batches[0][0].device
@@ -297,7 +304,7 @@ def _compiled_on_cpu(run: RunConfig, device: torch.device) -> bool:
     the tracker sees, `memory.compiled`)."""
     from torch._guards import detect_fake_mode
 
-    return run.train.compile != "none" and device.type == "cpu" and detect_fake_mode() is None
+    return run.train.compiled and device.type == "cpu" and detect_fake_mode() is None
 
 
 def _held_through_step(

@@ -47,19 +47,27 @@ _inside = threading.local()
 
 
 def propagating() -> bool:
-    """Inside DTensor's shape propagation (`marked_propagation`): fake tensors of the global
-    shape that no device ever holds."""
+    """Inside DTensor's shape propagation (`marked_propagation`) or `unseen`: tensors that
+    no device ever holds."""
     return getattr(_inside, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def unseen() -> Iterator[None]:
+    """Within: `propagating()` holds (nests). For tensors made only to know a shape: DTensor's
+    global ones, and the intermediates inductor fuses away (`memory.compiled`)."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _inside.depth -= 1
 
 
 def _marked(propagate: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(propagate)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-        try:
+        with unseen():
             return propagate(*args, **kwargs)
-        finally:
-            _inside.depth -= 1
 
     return marked
 

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_bench.config.fsdp import FsdpConfig, grouping_block_count
-from fsdp_bench.config.run import RunConfig
+from fsdp_bench.config.run import RunConfig, TrainConfig
 from fsdp_bench.errors import ConfigError
 from fsdp_bench.job.model.zoo import ModelBundle, initialize
 from fsdp_bench.job.parallel.activation_checkpointing import apply_checkpointing
@@ -108,7 +108,7 @@ def wrap_on_meta(
     bundle = apply_checkpointing(bundle, run.fsdp.activation_checkpointing)
     model = bundle.module
     if compile_backend is not None:
-        _compile(bundle, run.train.compile, compile_backend)
+        _compile(bundle, run.train, compile_backend)
     match run.strategy:
         case "fsdp" | "hsdp":  # a 2-D mesh (replicate, shard) makes fully_shard HSDP
             plan = plan_groups(bundle, str(run.fsdp.grouping))
@@ -300,17 +300,18 @@ def _wire_prefetch(ordered: list[nn.Module], depth: int) -> None:
             module.set_modules_to_backward_prefetch(preceding)
 
 
-def _compile(bundle: ModelBundle, scope: str, backend: Any) -> None:
+def _compile(bundle: ModelBundle, train: TrainConfig, backend: Any) -> None:
     """In place (`Module.compile`), so the modules keep their names and identities for the
     fully_shard groups; compilation itself happens in the first step.
 
-    Dynamo's caches are cleared first: runs of one job share a process, and a run would
-    otherwise reuse an earlier run's graphs (its compile cost unmeasured). Blocks share one
+    Dynamo's caches are cleared first, also for a compiled loss alone (`training.build_loss`):
+    runs of one job share a process, and a run would otherwise reuse an earlier run's graphs
+    (its compile cost unmeasured). Blocks share one
     code object, and a block that guards on its own index (transformers' `layer_idx`) is
     compiled once per block: the recompile limit is raised to allow every block, and hitting
     it is an error, never dynamo's silent fallback to eager for the remaining blocks."""
-    modules = {"none": [], "block": bundle.blocks, "model": [bundle.module]}[scope]
-    if not modules:
+    modules = {"none": [], "block": bundle.blocks, "model": [bundle.module]}[train.compile]
+    if not modules and not train.compile_loss:
         return
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(8, len(bundle.blocks) + 8)
