@@ -272,6 +272,10 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         ),
         RunConfig(strategy="ddp", train=TrainConfig(float8="rowwise")),
         RunConfig(
+            fsdp=FsdpConfig(activation_checkpointing="block"),
+            train=TrainConfig(compile="block", compile_loss=True),
+        ),
+        RunConfig(
             fsdp=FsdpConfig(
                 reshard_after_backward="last",
                 reduce_scatter_buffers=2,
@@ -291,6 +295,7 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         "every-2-clipped",
         "float8-all-gather",
         "ddp-float8",
+        "compiled-blocks-and-loss",
         "fsdp2-knobs",
     ],
 )
@@ -330,6 +335,9 @@ def test_generated_code_runs(one_rank_group: None, run: RunConfig) -> None:
     assert len(wrapped) == want
     float8 = [m for m in trained.modules() if type(m).__name__ == "Float8Linear"]
     assert len(float8) == (28 if run.train.float8 != "none" else 0)
+    compiled = [m for m in trained.modules() if m._compiled_call_impl is not None]
+    assert len(compiled) == {"none": 0, "block": 4, "model": 1}[run.train.compile]
+    assert (namespace["loss_fn"] is not loss_fn) == run.train.compile_loss
 
 
 def test_search_settings_are_validated(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ def fully_shard_code(run: RunConfig, device: str = "cuda", blocks: str = "model.
     if run.model.dtype == "bf16":
         lines.append("model.to(torch.bfloat16)  # bf16 storage: no fp32 master weights")
     lines += _checkpointing_code(run.fsdp.activation_checkpointing)
+    lines += _compile_code(run)
     lines += _grouping_code(
         str(run.fsdp.grouping), run.model.tie_embeddings, run.fsdp.reshard_after_forward
     )
@@ -102,6 +103,20 @@ def _fsdp_imports(run: RunConfig) -> list[str]:
             "checkpoint_wrapper"
         )
     return [*lines, f"from torch.distributed.fsdp import {', '.join([*policies, 'fully_shard'])}"]
+
+
+def _compile_code(run: RunConfig) -> list[str]:
+    """torch.compile after checkpointing and before fully_shard, in place (`parallelize`),
+    and of the loss on its own (`training.build_loss`)."""
+    lines = {
+        "none": [],
+        "block": ["for block in model.layers:  # in place: fully_shard finds them by name",
+                  "    block.compile()"],
+        "model": ["model.compile()"],
+    }[run.train.compile]  # fmt: skip
+    if run.train.compile_loss:
+        lines.append("loss_fn = torch.compile(loss_fn)  # its fp32 upcast and softmax fused")
+    return lines
 
 
 def _checkpointing_code(mode: str) -> list[str]:
@@ -292,6 +307,7 @@ def _ddp_code(run: RunConfig, device: str) -> list[str]:
         "from torch.nn.parallel import DistributedDataParallel",
         "",
         *_float8_code(run),
+        *_compile_code(run),
         f"model = {wrap}",
         _optimizer_code(run),
     ]

@@ -76,11 +76,13 @@ COMPILED = Band(
 PARTITIONED = Band(
     0.08,
     0.08,
-    "compiled, simulated from the partition: on CPU -4.7% to -0.0% of the allocator's peak "
-    "for FSDP2, -8.7% for DDP (sweeps/compiled-cpu.yaml); on a GPU, where inductor fuses "
-    "into Triton kernels, not yet measured: 9 published torchtitan and torchao compiled "
-    "runs read -2.7% to +4.2% (benchmarks/estimate_vs_published.py), widened for what they "
-    "do not cover; Trainy's run of torchtitan 2025-06 reads +32%, not explained",
+    "compiled, simulated from the partition: on CPU -4.7% to +1.2% of the allocator's peak "
+    "for FSDP2 (the loss compiled or not), -8.7% for DDP (sweeps/compiled-cpu.yaml); on a "
+    "GPU, where inductor fuses into Triton kernels, not yet measured: 12 published "
+    "torchtitan, torchao and PR 165 compiled runs read -9.3% to +4.2% "
+    "(benchmarks/estimate_vs_published.py), widened for what they do not cover; Trainy's "
+    "two runs of torchtitan 2025-06 (the loss compiled too) read -13% and -15%, not "
+    "explained",
 )
 CONTEXT_GIB = 0.75
 """The CUDA context with the kernels a training step loads (lazy loading): on an H200 (torch
