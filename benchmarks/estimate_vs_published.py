@@ -369,7 +369,7 @@ def compare(label: str, run: RunConfig, quantity: str, gib: float, estimate: Run
     compiled run with tensor parallelism is estimated as eager (`error_model.COMPILED`):
     apart."""
     if compiled_as(run) == "eager" and not apart:
-        apart = "compiled with tensor parallelism, estimated as eager"
+        apart = "compiled with tensor parallelism and full AC, estimated as eager"
     prediction = estimate.predict(Calibration(gpu=gpu), run)
     assert prediction.errors is not None, estimate.error
     if quantity == "active":  # at least allocated, at most that and the recorded buffers

@@ -73,3 +73,27 @@ def test_an_oom_on_one_rank_frees_its_job_without_waiting_for_the_collective_tim
     assert outcome.recorded == 2 and by_fault.loc["oom", "status"] == "oom"
     assert by_fault.loc["none", "status"] == "ok"
     assert took_s < 600 / 2, f"{took_s:.0f} s: the OOM's job waited for the collective timeout"
+
+
+def _raised_in(filename: str) -> AssertionError:
+    """A plain AssertionError as if raised by code in `filename`."""
+    try:
+        exec(compile("assert False, 'saved a DeviceMesh'", filename, "exec"))
+    except AssertionError as err:
+        return err
+    raise RuntimeError("not raised")
+
+
+def test_an_error_raised_inside_torch_compile_is_named_so() -> None:
+    """AOTAutograd refusing what a compiled checkpoint of DTensor code saves (compile, tensor
+    parallelism and full checkpointing on torch 2.13) raises a plain AssertionError: where it
+    was raised names torch.compile, not the error's type."""
+    from fsdp_bench.job.failures import compiler_named
+
+    site = "/venv/lib/python3.11/site-packages/torch"
+    assert compiler_named(_raised_in(f"{site}/_functorch/_aot_autograd/x.py")).startswith(
+        "torch.compile failed"
+    )
+    assert compiler_named(_raised_in(f"{site}/_inductor/x.py")) == "torch.compile failed: "
+    assert compiler_named(_raised_in(f"{site}/nn/modules/linear.py")) == ""
+    assert compiler_named(_raised_in("/home/user/model.py")) == ""

@@ -47,7 +47,7 @@ def note_failure(inflight: Path, info: RankInfo, err: BaseException, **extra: ob
         "hostname": hostname(),
         "class": classify(err),
         "type": type(err).__name__,
-        "message": _compiler_named(err) + _tail(traceback.format_exception_only(type(err), err)),
+        "message": compiler_named(err) + _tail(traceback.format_exception_only(type(err), err)),
         "traceback": _tail(traceback.format_exception(type(err), err, err.__traceback__), 40),
         "at": now_iso(),
         **extra,
@@ -55,13 +55,23 @@ def note_failure(inflight: Path, info: RankInfo, err: BaseException, **extra: ob
     write_atomic(inflight / f"rank{info.rank}.json", json.dumps(note))
 
 
-def _compiler_named(err: BaseException) -> str:
-    """A prefix saying that torch.compile failed (dynamo tracing or the inductor backend,
-    e.g. no working C++ compiler on the host), not the configuration's own training."""
+_COMPILER_PARTS = ("_dynamo", "_functorch", "_inductor")
+"""torch.compile's parts: dynamo's tracing, AOTAutograd, the inductor backend."""
+
+
+def compiler_named(err: BaseException) -> str:
+    """A prefix saying that torch.compile failed (e.g. no working C++ compiler on the host,
+    or AOTAutograd refusing what a compiled checkpoint of DTensor code saves), not the
+    configuration's own training: the error's type is of torch.compile, or it was raised
+    there (a plain AssertionError in AOTAutograd)."""
     module = type(err).__module__
-    return (
-        "torch.compile failed: " if module.startswith(("torch._dynamo", "torch._inductor")) else ""
+    frames = traceback.extract_tb(err.__traceback__)
+    raised_in = frames[-1].filename if frames else ""
+    compiler = any(
+        module.startswith(f"torch.{part}") or f"{os.sep}torch{os.sep}{part}{os.sep}" in raised_in
+        for part in _COMPILER_PARTS
     )
+    return "torch.compile failed: " if compiler else ""
 
 
 def fail(inflight: Path, info: RankInfo, err: BaseException, **extra: object) -> NoReturn:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from fsdp_bench.config.fsdp import checkpointed_every
 from fsdp_bench.job.measure.tracker import unseen
 
 if TYPE_CHECKING:
@@ -41,11 +42,13 @@ __all__ = ["compiled_as", "fused_away", "partitioned_backend"]
 
 def compiled_as(run: RunConfig) -> str:
     """How the simulation runs a compiled configuration: "none" (not compiled), "partition"
-    (the partitioned graphs) or "eager" (with tensor parallelism, whose DTensor regions
-    AOTAutograd cannot save under fake tensors: a DeviceMesh among the saved values)."""
+    (the partitioned graphs) or "eager" (tensor parallelism with whole blocks checkpointed:
+    a compiled checkpoint of DTensor code saves a DeviceMesh for backward, which AOTAutograd
+    refuses under fake tensors; without the checkpoint, or with selective_op, it partitions)."""
     if not run.train.compiled:
         return "none"
-    return "eager" if run.tp_size > 1 else "partition"
+    whole_blocks = checkpointed_every(run.fsdp.activation_checkpointing) is not None
+    return "eager" if run.tp_size > 1 and whole_blocks else "partition"
 
 
 @functools.cache

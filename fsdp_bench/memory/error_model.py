@@ -77,7 +77,8 @@ PARTITIONED = Band(
     0.08,
     0.08,
     "compiled, simulated from the partition: on CPU -4.7% to +1.2% of the allocator's peak "
-    "for FSDP2 (the loss compiled or not), -8.7% for DDP (sweeps/compiled-cpu.yaml); on a "
+    "for FSDP2 (the loss compiled or not), -0.9% and -9.4% with tensor parallelism, -8.7% "
+    "for DDP (sweeps/compiled-cpu.yaml); on a "
     "GPU, where inductor fuses into Triton kernels, not yet measured: 12 published "
     "torchtitan, torchao and PR 165 compiled runs read -9.3% to +4.2% "
     "(benchmarks/estimate_vs_published.py), widened for what they do not cover; Trainy's "
@@ -270,7 +271,10 @@ def _unseen(
     if compiled == "partition":
         unseen.append("inductor's fusion on a GPU (the partition's saved tensors simulated)")
     elif compiled == "eager":
-        unseen.append("the compiled graph (estimated as eager, with tensor parallelism)")
+        unseen.append(
+            "the compiled graph (estimated as eager: tensor parallelism with whole blocks "
+            "checkpointed)"
+        )
     if records_streams:
         unseen.append("record_stream's delayed frees (torch < 2.8)")
     if gpu is None and outside_measured is None:

@@ -26,7 +26,7 @@ from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-15"
+CACHE_VERSION = f"{__version__}/estimator-16"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
@@ -35,7 +35,8 @@ parallelism, and a trace deepened where a rotary table had the size of a post-fo
 11: one step simulated, the second made from it, which the figures of the example grids
 showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept; 14:
 each fake world on a thread of its own, float8 with tensor parallelism; 15: the compiled loss,
-inductor's fusion of it modelled)."""
+inductor's fusion of it modelled; 16: compiled blocks with tensor parallelism from the
+partition, unless whole blocks are checkpointed)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
