@@ -112,7 +112,7 @@ def compile_time_s(run: RunConfig, measured: StepMeasurements) -> float | None:
     """What compilation added to the first warm-up step: its time less the median timed
     step's (None for an eager run). Includes what a first step costs in eager as well
     (optimizer state, allocator growth): small beside inductor's seconds."""
-    if run.train.compile == "none":
+    if not run.train.compiled:
         return None
     return max(0.0, measured.first_step_s - statistics.median(measured.step_times_s))
 
