@@ -366,8 +366,8 @@ class Compared:
 def compare(label: str, run: RunConfig, quantity: str, gib: float, estimate: RunEstimate,
             gpu: str, apart: str = "") -> Compared:  # fmt: skip
     """The published or measured `gib` of `quantity` beside the prediction's interval. A
-    compiled run with tensor parallelism is estimated as eager (`error_model.COMPILED`):
-    apart."""
+    compiled run with tensor parallelism and whole blocks checkpointed is estimated as eager
+    (`error_model.COMPILED`): apart."""
     if compiled_as(run) == "eager" and not apart:
         apart = "compiled with tensor parallelism and full AC, estimated as eager"
     prediction = estimate.predict(Calibration(gpu=gpu), run)

@@ -69,7 +69,7 @@ class TrainConfig:
     """torch.compile (inductor) the loss, the cross-entropy with its fp32 upcast, on its own,
     as torchtitan does whenever it compiles (since its PR 1033, 2025-04): fused, the fp32
     logits and their log-softmax are never made, and the step's peak at the loss falls from
-    about six logits-sized tensors to two."""
+    six tensors of the (bf16) logits' size to two."""
     float8: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
     """Float8 linears (torchao): the blocks' Linears whose dimensions are multiples of 16 run
     their matmuls in float8 with dynamic scales per tensor, per row, or per row with the

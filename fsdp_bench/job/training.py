@@ -30,10 +30,10 @@ from fsdp_bench.job.parallel.float8 import scale_precompute
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]
+"""Wraps each phase of a step ("forward", "backward", "optimizer"), e.g. record_function."""
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 CompileBackend = str | Callable[..., Any] | None
 """What torch.compile compiles with: inductor in a run; None: nothing compiled."""
-"""Wraps each phase of a step ("forward", "backward", "optimizer"), e.g. record_function."""
 
 
 def global_micro_batch(run: RunConfig, index: int, vocab_size: int) -> Batch:

@@ -18,9 +18,9 @@ kept (small, and a kernel's output). A compiled cross-entropy, its fp32 logits a
 log-softmax pointwise chains into reductions, keeps the logits and two numbers per token: with
 inductor on the CPU its step's peak is two logits-sized tensors where eager's is six, and so
 is the simulation's (`tests/test_compile.py`). Not for the blocks: there the CPU allocator's
-peak of a compiled block sits at or above the unfused simulation (-9% with checkpointing when
-fused, -5% unfused: `sweeps/compiled-cpu.yaml`), so their fused intermediates are kept, a
-bound.
+peak of a compiled block sits at or above the unfused simulation (with checkpointing -9%
+fused, within -5% unfused: `sweeps/compiled-cpu.yaml`), so their fused intermediates are kept,
+a bound.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fsdp_bench.job.measure.tracker import unseen
 if TYPE_CHECKING:
     from fsdp_bench.config.run import RunConfig
 
-__all__ = ["compiled_as", "fused_away", "partitioned_backend"]
+__all__ = ["compiled_as", "partitioned_backend"]
 
 
 def compiled_as(run: RunConfig) -> str:
@@ -72,7 +72,7 @@ def partitioned_backend(fused: bool = False) -> Any:
 def _run_fused(graph_module: fx.GraphModule, example_inputs: Any) -> Any:
     """A boxed callable (it frees its inputs as it goes, as AOTAutograd expects), with an
     interpreter for each call: one kept would keep its last outputs, the saved tensors."""
-    away = fused_away(graph_module.graph)
+    away = _fused_away(graph_module.graph)
 
     def run(args: list[Any]) -> Any:
         return _FusedInterpreter(graph_module, away).boxed_run(args)
@@ -93,7 +93,7 @@ class _FusedInterpreter(fx.Interpreter):
         return super().run_node(n)
 
 
-def fused_away(graph: fx.Graph) -> set[fx.Node]:
+def _fused_away(graph: fx.Graph) -> set[fx.Node]:
     """The nodes whose results inductor never makes: fusible (pointwise, or a constant fill)
     and needed by nothing but other fused kernels (a view passes the need to its base), and
     the views of those."""

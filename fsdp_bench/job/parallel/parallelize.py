@@ -306,10 +306,10 @@ def _compile(bundle: ModelBundle, train: TrainConfig, backend: Any) -> None:
 
     Dynamo's caches are cleared first, also for a compiled loss alone (`training.build_loss`):
     runs of one job share a process, and a run would otherwise reuse an earlier run's graphs
-    (its compile cost unmeasured). Blocks share one
-    code object, and a block that guards on its own index (transformers' `layer_idx`) is
-    compiled once per block: the recompile limit is raised to allow every block, and hitting
-    it is an error, never dynamo's silent fallback to eager for the remaining blocks."""
+    (its compile cost unmeasured). Blocks share one code object, and a block that guards on
+    its own index (transformers' `layer_idx`) is compiled once per block: the recompile limit
+    is raised to allow every block, and hitting it is an error, never dynamo's silent
+    fallback to eager for the remaining blocks."""
     modules = {"none": [], "block": bundle.blocks, "model": [bundle.module]}[train.compile]
     if not modules and not train.compile_loss:
         return
