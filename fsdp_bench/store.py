@@ -212,9 +212,8 @@ class RunResult:
     """Build, shard and materialise the model, create the optimizer (slowest rank)."""
     warmup_s: float | None = None
     compile_s: float | None = None
-    """train.compile or train.compile_loss: what compilation added to the first warm-up step
-    (slowest rank, the run's first pass), dynamo's caches cleared before the run; None:
-    eager."""
+    """train.compile or compile_loss: what compilation added to the first warm-up step
+    (slowest rank, the run's first pass), dynamo's caches cleared before the run; None: eager."""
     timed_s: float | None = None
     """Time of all timed steps (the slowest rank's per step, summed)."""
     wall_s: float | None = None

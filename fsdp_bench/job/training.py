@@ -32,6 +32,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 Mark = Callable[[str], AbstractContextManager[object]]
 """Wraps each phase of a step ("forward", "backward", "optimizer"), e.g. record_function."""
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+MicroBatchFn = Callable[[torch.Tensor, torch.Tensor], None]
 CompileBackend = str | Callable[..., Any] | None
 """What torch.compile compiles with: inductor in a run; None: nothing compiled."""
 
@@ -183,13 +184,11 @@ def forward_backward(
         assert mark is not None
         with around():
             with mark("forward"):
-                loss = loss_of(inputs, targets) / count
+                scaled = loss_of(inputs, targets) / count
             with mark("backward"):
-                loss.backward()
+                scaled.backward()
 
-    one: Callable[[torch.Tensor, torch.Tensor], None] = (
-        marked_micro_batch if mark is not None else micro_batch
-    )
+    one: MicroBatchFn = marked_micro_batch if mark is not None else micro_batch
     if mark is None and sharded_logits:  # decided once, as autocast: nothing more per step
         one = _under_loss_parallel(micro_batch)
 
@@ -236,9 +235,7 @@ def autocast_dtype(run: RunConfig) -> torch.dtype | None:
     return None
 
 
-def _under_loss_parallel(
-    micro_batch: Callable[[torch.Tensor, torch.Tensor], None],
-) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def _under_loss_parallel(micro_batch: MicroBatchFn) -> MicroBatchFn:
     def wrapped(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with loss_parallel():
             micro_batch(inputs, targets)
