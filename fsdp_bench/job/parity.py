@@ -10,6 +10,7 @@ last bit moves a parameter by 2*lr (measured: 5e-5 after one step); SGD shows th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from fsdp_bench.job.parallel.parallelize import materialize, parallelize
 from fsdp_bench.job.rendezvous import RankInfo
 from fsdp_bench.job.training import (
     autocast_dtype,
+    build_loss,
     clip_gradients,
     forward_backward,
     fp32_matmul_precision,
@@ -158,7 +160,8 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
 
     batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
     tp = run.tp_size > 1  # the logits split by vocabulary, the loss under loss_parallel
-    forward_backward(model, batches, run.train.grad_sync, None, autocast_dtype(run), None, tp)()
+    step = functools.partial(forward_backward, loss=build_loss(run))  # the run's own loss
+    step(model, batches, run.train.grad_sync, None, autocast_dtype(run), None, tp)()
     global_batches = [
         tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
         for k in range(run.train.accumulation_steps)
