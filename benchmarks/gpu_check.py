@@ -42,7 +42,8 @@ process imports torch and starts CUDA, ~10 s):
   on `small`, the restore checked; the kept trace read back;
 - compile (55 s; 2 min on a GPU): eager against `train.compile: block` on `small`, one shape,
   parity checked; on a GPU also compiled float8 (tensorwise with float8 all-gather, rowwise)
-  against bf16 eager, and every compiled run's allocated peak inside the estimate's interval;
+  and the loss compiled, against bf16 eager, and every compiled run's allocated peak inside
+  the estimate's interval;
 - torchrun (30 s): `fsdp-bench run` under torchrun (NCCL through torchrun's store);
 - multi_gpu (two GPUs or more, 60 s): FSDP and HSDP at world size 2 or 4, a hang recorded
   `timeout`. About 6 minutes in all on one GPU.
@@ -531,7 +532,8 @@ def _phases(record: dict[str, Any]) -> dict[str, float]:
 
 
 COMPILE_COLUMNS = [
-    "run_id", "status", "compile", "float8", "float8_all_gather", "tokens_per_s", "step_time_s",
+    "run_id", "status", "compile", "compile_loss", "float8", "float8_all_gather", "tokens_per_s",
+    "step_time_s",
     "step_time_spread_pct", "compile_s", "warmup_s", "peak_memory_gib", "tracked_peak_gib",
     "estimated_peak_gib", "estimated_allocated_low_gib", "estimated_allocated_high_gib",
     "parity_ok", "parity_grad_max_abs_diff", "contended", "gpu_other_processes", "reason",
@@ -540,9 +542,10 @@ COMPILE_COLUMNS = [
 
 def compiled(check: Check) -> dict[str, Any]:
     """Eager against torch.compile per block for one shape at world size 1, parity checked;
-    on a GPU also compiled float8 (tensorwise with float8 all-gather, rowwise), each against
-    bf16 eager in the same job, its memory beside the estimate's interval (compiled runs are
-    estimated from the partition, `memory.compiled`)."""
+    on a GPU also compiled float8 (tensorwise with float8 all-gather, rowwise) and the loss
+    compiled, each against bf16 eager in the same job, its memory beside the estimate's
+    interval (compiled runs are estimated from the partition, `memory.compiled`; the loss
+    with inductor's fusion as on CPU, its high end eager: `error_model.COMPILED_LOSS`)."""
     base = {
         "model": {"name": check.small},
         "data": {"micro_batch_size": 2, "seq_len": 512 if check.on_gpu else 128},
@@ -555,14 +558,16 @@ def compiled(check: Check) -> dict[str, Any]:
             {"train.compile": ["block"], "train.float8": ["tensorwise"],
              "fsdp.float8_all_gather": [True]},
             {"train.compile": ["block"], "train.float8": ["rowwise"]},
+            {"train.compile": ["block"], "train.compile_loss": [True]},
         ]  # fmt: skip
     df = sweep(check, "compile", base, axes, verify=True)
     found = columns_of(df, COMPILE_COLUMNS)
     speed = {
-        (r["compile"], r.get("float8") or "none"): r["tokens_per_s"]
+        (r["compile"] + ("+loss" if r.get("compile_loss") else ""), r.get("float8") or "none"):
+            r["tokens_per_s"]
         for r in found
         if r["status"] == "ok"
-    }
+    }  # fmt: skip
     eager = speed.get(("none", "none"))
     ratios = {f"{c}+{f}": v / eager for (c, f), v in speed.items() if eager and c != "none"}
     result: dict[str, Any] = {

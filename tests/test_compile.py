@@ -5,6 +5,7 @@ becomes an error record naming it while the sweep goes on."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fsdp_bench.config.run import RunConfig, TrainConfig
+from fsdp_bench.config.fsdp import FsdpConfig
+from fsdp_bench.config.model import ModelConfig
+from fsdp_bench.config.run import DataConfig, RunConfig, TrainConfig
 from fsdp_bench.job.measure.allocator_peak import allocator_peak
 from fsdp_bench.job.training import build_loss, loss_fn
 from fsdp_bench.memory.alloc_trace import recording
 from fsdp_bench.memory.compiled import partitioned_backend
+from fsdp_bench.memory.estimate import estimate_run
 from tests.conftest import sweep, tiny_grid
 
 pytestmark = pytest.mark.slow
@@ -107,3 +111,19 @@ def test_a_compiled_loss_is_simulated_as_inductor_runs_it(logits_dtype: torch.dt
     # logits' size or more below eager (four of them for bf16 logits).
     assert real["compiled"] == pytest.approx(2.0, rel=0.02), real
     assert real["eager"] - real["compiled"] >= (3.9 if logits_dtype == torch.bfloat16 else 0.9)
+
+
+def test_a_loss_compiled_on_cuda_is_also_estimated_eager_for_its_high_end() -> None:
+    """On CUDA the fused loss is not measured: its estimate carries the same step with the
+    loss eager, which is the eager-loss run's own estimate, and higher."""
+    base = RunConfig(
+        model=ModelConfig(name="tiny"),
+        data=DataConfig(micro_batch_size=2, seq_len=128),
+        fsdp=FsdpConfig(mixed_precision="bf16"),
+    )
+    compiled = dataclasses.replace(base, train=TrainConfig(compile_loss=True))
+    bounded, eager = estimate_run(compiled, "cuda"), estimate_run(base, "cuda")
+    assert eager.eager_loss_reserved_gib is None and eager.estimated_reserved_gib is not None
+    assert bounded.eager_loss_reserved_gib == pytest.approx(eager.estimated_reserved_gib)
+    assert bounded.eager_loss_allocated_gib == pytest.approx(eager.estimated_allocated_gib)
+    assert bounded.estimated_allocated_gib < bounded.eager_loss_allocated_gib

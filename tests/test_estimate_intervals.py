@@ -131,6 +131,23 @@ def test_a_compiled_run_estimated_over_the_budget_is_never_yes() -> None:
     assert as_eager.errors.device_used.low_gib < eager_low - 10
 
 
+def test_a_loss_compiled_on_a_gpu_reaches_up_to_the_loss_eager() -> None:
+    """Inductor's fusion of the loss is measured on CPU only: on a GPU the high end takes the
+    step with the loss eager (20 GiB more here), the low end stays the fused figure's."""
+    run = RunConfig(world_size=8, train=TrainConfig(compile="block", compile_loss=True))
+    known = calibration(MemoryConfig(), None)
+    fused = estimate_of(run, 40.0, 44.0)
+    bounded = dataclasses.replace(
+        fused, eager_loss_allocated_gib=60.0625, eager_loss_reserved_gib=64.0
+    )
+    before, after = fused.predict(known, run).errors, bounded.predict(known, run).errors
+    assert before is not None and after is not None
+    assert after.reserved.low_gib == pytest.approx(before.reserved.low_gib)
+    assert 64.0 < after.reserved.high_gib < 64.0 + (before.reserved.high_gib - 44.0)
+    assert after.allocated.high_gib > 60.0 and after.device_used.high_gib > 65.0
+    assert any(t.name == "compiled loss" and t.above_gib == 20.0 for t in after.terms)
+
+
 def test_the_correction_does_not_drift_when_read_back(tmp_path: Path) -> None:
     """Records keep the raw estimate: a measured 20% above it reads back as x 1.2 however
     often the folder is read, and the records of runs decided with it say so. Before, the

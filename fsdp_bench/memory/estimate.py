@@ -7,6 +7,7 @@ term.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import traceback
@@ -26,7 +27,7 @@ from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-16"
+CACHE_VERSION = f"{__version__}/estimator-17"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
@@ -36,7 +37,8 @@ parallelism, and a trace deepened where a rotary table had the size of a post-fo
 showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version kept; 14:
 each fake world on a thread of its own, float8 with tensor parallelism; 15: the compiled loss,
 inductor's fusion of it modelled; 16: compiled blocks with tensor parallelism from the
-partition, unless whole blocks are checkpointed)."""
+partition, unless whole blocks are checkpointed; 17: a loss compiled on CUDA also simulated
+eager, its interval's high end)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
@@ -79,6 +81,10 @@ class RunEstimate:
     """On CUDA: the caching allocator's peaks for the simulation's allocations (`allocator`)."""
     outside_terms_gib: dict[str, float] = field(default_factory=dict)
     """On CUDA: the default model of memory outside the allocator (`device_memory`)."""
+    eager_loss_allocated_gib: float | None = None
+    eager_loss_reserved_gib: float | None = None
+    """On CUDA with train.compile_loss: the allocator's peaks with the loss eager, the high
+    end of what the compiled loss may hold (`error_model.COMPILED_LOSS`)."""
     world_size: int = 1
     compiled: bool = False
     """train.compile or train.compile_loss is set: simulated from the partitioned graphs
@@ -104,6 +110,12 @@ class RunEstimate:
             self.outside_terms_gib,
             known,
             records_streams=self.records_streams,
+            eager_loss_gib=(
+                (self.eager_loss_allocated_gib, self.eager_loss_reserved_gib)
+                if self.eager_loss_allocated_gib is not None
+                and self.eager_loss_reserved_gib is not None
+                else None
+            ),
         )
 
     def peaks(self, known: Calibration, run: RunConfig, memory: MemoryConfig) -> EstimatedPeaks:
@@ -143,7 +155,23 @@ def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunE
         estimate.estimated_host_gib = sim.host_bytes / GIB
         estimate.wall_s = sim.wall_s
         estimate.torch_version = torch.__version__
+    if device_type == "cuda" and runs[0].train.compile_loss:  # runs alike: all or none
+        _bound_the_compiled_loss(runs, estimates)
     return estimates
+
+
+def _bound_the_compiled_loss(runs: list[RunConfig], estimates: list[RunEstimate]) -> None:
+    """The same steps with the loss eager: a loss compiled on a GPU is simulated with
+    inductor's fusion as measured on CPU, not on a GPU, and holds no more than eager."""
+    from fsdp_bench.memory.simulate import simulate_alike
+
+    eager = [
+        dataclasses.replace(run, train=dataclasses.replace(run.train, compile_loss=False))
+        for run in runs
+    ]
+    for estimate, sim in zip(estimates, simulate_alike(eager, device_type="cuda"), strict=True):
+        estimate.eager_loss_allocated_gib = sim.allocated_bytes / GIB
+        estimate.eager_loss_reserved_gib = sim.reserved_bytes / GIB
 
 
 def _analytic(run: RunConfig, device_type: str) -> RunEstimate:

@@ -74,9 +74,12 @@ def predict(
     known: Calibration,
     *,
     records_streams: bool = False,
+    eager_loss_gib: tuple[float, float] | None = None,
 ) -> Prediction:
     """The figures of an estimate's tensors and allocator replay (None on CPU, where
-    device-used is the tensors plus a configured overhead), corrected by `known`."""
+    device-used is the tensors plus a configured overhead), corrected by `known`.
+    `eager_loss_gib`: the allocator's figures of the step with the loss eager, for a loss
+    compiled on a GPU (`error_model.COMPILED_LOSS`)."""
     if tensors_gib is None:
         return Prediction(None)
     correction = known.correction(run)
@@ -111,6 +114,9 @@ def predict(
         records_streams=records_streams,
         outside_measured=outside_range,
         scatter=correction.scatter,
+        eager_loss_gib=(
+            (eager_loss_gib[0], eager_loss_gib[1] * factor) if eager_loss_gib is not None else None
+        ),
     )
     return Prediction(
         tensors_gib,
