@@ -82,9 +82,8 @@ PARTITIONED = Band(
     "for DDP (sweeps/compiled-cpu.yaml); on a "
     "GPU, where inductor fuses into Triton kernels, not yet measured: 12 published "
     "torchtitan, torchao and PR 165 compiled runs read -9.3% to +4.2% "
-    "(benchmarks/estimate_vs_published.py), widened for what they do not cover; Trainy's "
-    "two runs of torchtitan 2025-06 (the loss compiled too) read -13% and -15%, not "
-    "explained",
+    "(benchmarks/estimate_vs_published.py), widened for what they do not cover (the "
+    "loss compiled as well has a term of its own, COMPILED_LOSS)",
 )
 COMPILED_LOSS = (
     "the loss compiled, on a GPU: simulated with inductor's fusion as measured on CPU (the "

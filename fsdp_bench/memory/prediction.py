@@ -85,18 +85,7 @@ def predict(
     correction = known.correction(run)
     factor = correction.factor
     if reserved_gib is None or allocated_gib is None:  # no caching allocator to model
-        tensors = tensors_gib * factor
-        extra = known.configured_outside_gib or 0.0
-        term = Term("tensors", tensors * TENSORS.below, tensors * TENSORS.above, TENSORS.source)
-        spread = scatter_term(tensors, correction.scatter)
-        below = math.hypot(term.below_gib, spread.below_gib)
-        above = math.hypot(term.above_gib, spread.above_gib)
-        band = Interval(max(tensors - below, 0.0) + extra, tensors + above + extra)
-        errors = ErrorModel(band, band, band, [term, *([spread] if correction.scatter else [])])
-        terms = {"tensors": tensors, **({"outside": extra} if extra else {})}
-        sources = {"outside": "configured (memory.overhead_gib)"} if extra else {}
-        return Prediction(tensors_gib, None, None, tensors + extra, errors, terms, sources,
-                          correction)  # fmt: skip
+        return _tensors_only(tensors_gib, known, correction)
     reserved = reserved_gib * factor
     measured = known.outside(run.world_size)
     if measured is None:
@@ -114,9 +103,7 @@ def predict(
         records_streams=records_streams,
         outside_measured=outside_range,
         scatter=correction.scatter,
-        eager_loss_gib=(
-            (eager_loss_gib[0], eager_loss_gib[1] * factor) if eager_loss_gib is not None else None
-        ),
+        eager_loss_gib=eager_loss_gib and (eager_loss_gib[0], eager_loss_gib[1] * factor),
     )
     return Prediction(
         tensors_gib,
@@ -129,6 +116,21 @@ def predict(
          "outside": outside_source},
         correction,
     )  # fmt: skip
+
+
+def _tensors_only(tensors_gib: float, known: Calibration, correction: Correction) -> Prediction:
+    """On CPU: device-used is the tensors plus a configured overhead (`memory.overhead_gib`)."""
+    tensors = tensors_gib * correction.factor
+    extra = known.configured_outside_gib or 0.0
+    term = Term("tensors", tensors * TENSORS.below, tensors * TENSORS.above, TENSORS.source)
+    spread = scatter_term(tensors, correction.scatter)
+    below = math.hypot(term.below_gib, spread.below_gib)
+    above = math.hypot(term.above_gib, spread.above_gib)
+    band = Interval(max(tensors - below, 0.0) + extra, tensors + above + extra)
+    errors = ErrorModel(band, band, band, [term, *([spread] if correction.scatter else [])])
+    terms = {"tensors": tensors, **({"outside": extra} if extra else {})}
+    sources = {"outside": "configured (memory.overhead_gib)"} if extra else {}
+    return Prediction(tensors_gib, None, None, tensors + extra, errors, terms, sources, correction)
 
 
 def fits(prediction: Prediction, memory: MemoryConfig) -> Fits:
