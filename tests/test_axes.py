@@ -56,6 +56,46 @@ def one(df: pd.DataFrame, **where: object) -> pd.Series:
     return rows.iloc[0]
 
 
+KNOBS = {
+    "plain": {"data.seed": 0},
+    "all_reduce_last": {"train.grad_sync": "all_reduce_last"},
+    "reshard after last": {"fsdp.reshard_after_backward": "last"},
+    "staging, uncast inputs": {
+        "fsdp.reduce_scatter_buffers": 2,
+        "fsdp.separate_reduce_scatter_group": True,
+        "fsdp.comm_buffers_from_process_group": True,
+        "fsdp.cast_forward_inputs": False,
+        "fsdp.mixed_precision": "bf16",
+    },
+}
+"""FSDP2's newer knobs, one at a time, under HSDP with two micro-batches."""
+FOUR_RANKS = {
+    "fsdp": {"strategy": "fsdp", "fsdp.reshard_after_forward": False},
+    "hsdp": {"strategy": "hsdp", "fsdp.reshard_after_forward": False},
+    "reshard to 2, seed 0": {"fsdp.reshard_after_forward": 2, "data.seed": 0},
+    "reshard to 2, seed 1": {"fsdp.reshard_after_forward": 2, "data.seed": 1},
+    **{
+        f"knob: {name}": {"strategy": "hsdp", "train.accumulation_steps": 2, **change}
+        for name, change in KNOBS.items()
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.Series]:
+    """One verified sweep at world size 4 (shard groups of 2) for the tests that need four
+    ranks, one job for all (a job's start costs more than a tiny run): each setting's row,
+    by the names of FOUR_RANKS."""
+    folder = tmp_path_factory.mktemp("four-ranks")
+    axes = [{key: [value] for key, value in change.items()} for change in FOUR_RANKS.values()]
+    grid = tiny_grid("four-ranks", axes, world_size=4, fsdp={"shard_group_size": 2})
+    _, df = sweep(folder, grid, verify=True)
+    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["run_id", "status", "reason"]]
+    runs = expand(load_grid(folder / "four-ranks.yaml")).runs
+    by_id = df.set_index("run_id")
+    return {name: by_id.loc[run.run_id] for name, run in zip(FOUR_RANKS, runs, strict=True)}
+
+
 @pytest.mark.parametrize("grouping", list(GROUPS))
 def test_grouping_and_resharding_set_the_collectives(table: pd.DataFrame, grouping: str) -> None:
     groups = GROUPS[grouping]
@@ -170,17 +210,10 @@ def test_throughput_and_provenance_columns(table: pd.DataFrame) -> None:
     assert pd.isna(row.mfu)  # no peak-FLOPS figure for a CPU
 
 
-def test_hsdp_shards_inside_groups_and_all_reduces_across(tmp_path: Path) -> None:
-    grid = tiny_grid(
-        "hsdp",
-        {"strategy": ["fsdp", "hsdp"]},
-        world_size=4,
-        fsdp={"shard_group_size": 2, "reshard_after_forward": False},
-    )
-    _, df = sweep(tmp_path, grid, verify=True)
-    by = df.set_index("strategy")
-    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["strategy", "reason"]]
-    fsdp, hsdp = by.loc["fsdp"], by.loc["hsdp"]
+def test_hsdp_shards_inside_groups_and_all_reduces_across(
+    four_ranks: dict[str, pd.Series],
+) -> None:
+    fsdp, hsdp = four_ranks["fsdp"], four_ranks["hsdp"]
     assert fsdp.all_reduces_per_step == 0
     assert hsdp.all_reduces_per_step == hsdp.reduce_scatters_per_step == 5  # one per group
     # A shard group of 2 instead of 4: each rank keeps twice the optimizer state.
@@ -189,14 +222,10 @@ def test_hsdp_shards_inside_groups_and_all_reduces_across(tmp_path: Path) -> Non
     )
 
 
-def test_an_int_reshard_trains_correctly_run_after_run(tmp_path: Path) -> None:
-    """Two runs of one job share the post-forward mesh of reshard_after_forward=2 at W=4."""
-    grid = tiny_grid(
-        "reshard-int", {"data.seed": [0, 1]}, world_size=4, fsdp={"reshard_after_forward": 2}
-    )
-    _, df = sweep(tmp_path, grid, verify=True)
-    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["status", "reason"]]
-    assert (df.all_gathers_per_step == 10).all()  # resharded: backward all-gathers again
+def test_an_int_reshard_trains_correctly_run_after_run(four_ranks: dict[str, pd.Series]) -> None:
+    """Runs of one job share the post-forward mesh of reshard_after_forward=2 at W=4."""
+    for seed in (0, 1):  # resharded: backward all-gathers again
+        assert four_ranks[f"reshard to 2, seed {seed}"].all_gathers_per_step == 10
 
 
 def test_every_block_but_the_last_reshards(tmp_path: Path) -> None:
@@ -254,46 +283,25 @@ def test_practitioners_settings_run_verify_and_estimate(tmp_path: Path) -> None:
     assert activations["selective_op AC"] < activations["plain"]
 
 
-def test_fsdp2_communication_knobs_run_verify_count_and_estimate(tmp_path: Path) -> None:
+def test_fsdp2_communication_knobs_run_verify_count_and_estimate(
+    four_ranks: dict[str, pd.Series],
+) -> None:
     """FSDP2's newer knobs under HSDP (2 replicas of 2 ranks, 2 micro-batches, tiny: 5
-    groups): each trains correctly and is estimated within 5% of its tracked peak. The counts
-    are exact: HSDP reduce-scatters and all-reduces every group every micro-batch (10 and 10);
-    all_reduce_last all-reduces once a step (10 and 5); parameters kept unsharded after the
-    first backward spare the second micro-batch's forward all-gathers but the root's (13
-    instead of 18); the staging and overlap knobs, and uncast inputs, change none of it."""
-    settings = {
-        "plain": {"data.seed": 0},
-        "all_reduce_last": {"train.grad_sync": "all_reduce_last"},
-        "reshard after last": {"fsdp.reshard_after_backward": "last"},
-        "staging, uncast inputs": {
-            "fsdp.reduce_scatter_buffers": 2,
-            "fsdp.separate_reduce_scatter_group": True,
-            "fsdp.comm_buffers_from_process_group": True,
-            "fsdp.cast_forward_inputs": False,
-            "fsdp.mixed_precision": "bf16",
-        },
-    }
-    axes = [{key: [value] for key, value in change.items()} for change in settings.values()]
-    grid = tiny_grid(
-        "fsdp2-knobs",
-        axes,
-        world_size=4,
-        strategy="hsdp",
-        fsdp={"shard_group_size": 2},
-        train={"accumulation_steps": 2},
-    )
-    _, df = sweep(tmp_path, grid, verify=True)
-    assert set(df.status) == {"ok"} and df.parity_ok.all(), df[["run_id", "status", "reason"]]
-    error = (df.estimated_peak_gib / df.tracked_peak_gib - 1).abs()
-    assert (error < 0.05).all(), df[["run_id", "estimated_peak_gib", "tracked_peak_gib"]]
-    runs = expand(load_grid(tmp_path / "fsdp2-knobs.yaml")).runs
-    by_id = df.set_index("run_id")
+    groups): each trains correctly (the fixture's parity) and is estimated within 5% of its
+    tracked peak. The counts are exact: HSDP reduce-scatters and all-reduces every group
+    every micro-batch (10 and 10); all_reduce_last all-reduces once a step (10 and 5);
+    parameters kept unsharded after the first backward spare the second micro-batch's
+    forward all-gathers but the root's (13 instead of 18); the staging and overlap knobs, and
+    uncast inputs, change none of it."""
+    rows = {name: four_ranks[f"knob: {name}"] for name in KNOBS}
+    for name, row in rows.items():
+        assert abs(row.estimated_peak_gib / row.tracked_peak_gib - 1) < 0.05, name
     counts = {
         name: tuple(
-            int(by_id.loc[run.run_id, c])
+            int(row[c])
             for c in ("all_gathers_per_step", "reduce_scatters_per_step", "all_reduces_per_step")
         )
-        for name, run in zip(settings, runs, strict=True)
+        for name, row in rows.items()
     }
     assert counts["plain"] == counts["staging, uncast inputs"] == (18, 10, 10)
     assert counts["all_reduce_last"] == (18, 10, 5)
