@@ -35,6 +35,7 @@ def test_the_limit_comes_from_the_folders_between_pass_noise() -> None:
     assert disagreement(passes("x", [0.1]), None) == ""
 
 
+@pytest.mark.slow
 def test_a_run_whose_passes_disagree_is_measured_again_then_recorded_unstable(
     tmp_path: Path,
 ) -> None:
