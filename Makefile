@@ -35,7 +35,7 @@ test: lint
 	$(BIN)/python -m pytest -m "not ($(FAST))"
 
 # The tests that need neither the Slurm testbed, a browser, a GPU nor long multi-process runs.
-# They run two at a time (pytest-xdist: 2:26 instead of about 3:30 on 2 cores, 2026-12-07);
+# They run two at a time (pytest-xdist: 2:26-2:30 instead of about 3:30 on 2 cores, 2026-12-07);
 # the others one at a time, since each is timed or marks runs that share the machine.
 FAST := not slow and not slurm and not gpu
 

@@ -90,8 +90,8 @@ COMPILED_LOSS = (
     "fp32 logits never made: 2.00 logits-sized tensors at its peak, eager bf16 6.00, "
     "tests/test_compile.py); inductor's Triton code for it not measured. The high end is "
     "the step with the loss eager, which a compiled loss does not exceed. The two published "
-    "runs with the loss compiled (Trainy, torchtitan 2025-06) read 13-15% above the fused "
-    "figure and 24-32% below the eager one"
+    "runs with the loss compiled (Trainy, torchtitan 2025-06) lie between: the fused figure "
+    "reads -13% and -15%, the eager one about +30% (in-sample: this term came after them)"
 )
 CONTEXT_GIB = 0.75
 """The CUDA context with the kernels a training step loads (lazy loading): on an H200 (torch
