@@ -1,7 +1,8 @@
 """Every axis of a grid changes what runs: shown by exact collective counts and tracked memory.
 
-One real sweep (the quickstart's: gloo, two processes on loopback) covers the axes; the
-assertions are the FSDP2 facts of seed 000: one all-gather per group unshard, one
+One real sweep (the quickstart's: gloo, two processes on loopback) covers the axes, and one
+verified sweep at four ranks the settings that need them (HSDP, an int reshard, FSDP2's newer
+knobs); the assertions are the FSDP2 facts of seed 000: one all-gather per group unshard, one
 reduce-scatter per group reduction, resharding after forward costs one more all-gather per
 group in backward.
 """
