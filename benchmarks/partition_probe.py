@@ -159,16 +159,15 @@ class Saved:
         )
 
 
-def float8_config(recipe: str, all_gather: bool, recompute_weight: bool) -> Any:
+def float8_config(all_gather: bool, recompute_weight: bool) -> Any:
+    """Tensorwise scaling (the only recipe float8 all-gather allows); the recompute flag
+    where the installed torchao still has it."""
     from torchao.float8 import Float8LinearConfig
 
-    if recipe == "tensorwise":
-        kwargs: dict[str, Any] = {"enable_fsdp_float8_all_gather": all_gather}
-        parameters = inspect.signature(Float8LinearConfig).parameters
-        if "force_recompute_fp8_weight_in_bwd" in parameters:
-            kwargs["force_recompute_fp8_weight_in_bwd"] = recompute_weight
-        return Float8LinearConfig(**kwargs)
-    return Float8LinearConfig.from_recipe_name(recipe)
+    kwargs: dict[str, Any] = {"enable_fsdp_float8_all_gather": all_gather}
+    if "force_recompute_fp8_weight_in_bwd" in inspect.signature(Float8LinearConfig).parameters:
+        kwargs["force_recompute_fp8_weight_in_bwd"] = recompute_weight
+    return Float8LinearConfig(**kwargs)
 
 
 def probe(args: argparse.Namespace, recipe: str, all_gather: bool, recompute: bool) -> dict:
@@ -183,7 +182,7 @@ def probe(args: argparse.Namespace, recipe: str, all_gather: bool, recompute: bo
     if recipe != "bf16":
         from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(block, config=float8_config(recipe, all_gather, recompute))
+        convert_to_float8_training(block, config=float8_config(all_gather, recompute))
     wrapped = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
     saved = Saved()
     compiled: nn.Module = torch.compile(wrapped, backend=saved.backend(), fullgraph=True)  # type: ignore[assignment]

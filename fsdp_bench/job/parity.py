@@ -10,7 +10,6 @@ last bit moves a parameter by 2*lr (measured: 5e-5 after one step); SGD shows th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -160,8 +159,9 @@ def check_parity(run: RunConfig, mesh: DeviceMesh, device: torch.device, rank: i
 
     batches = rank_batches(run, rank, reference_bundle.vocab_size, device)
     tp = run.tp_size > 1  # the logits split by vocabulary, the loss under loss_parallel
-    step = functools.partial(forward_backward, loss=build_loss(run))  # the run's own loss
-    step(model, batches, run.train.grad_sync, None, autocast_dtype(run), None, tp)()
+    loss = build_loss(run)  # the run's own loss, compiled where it asks
+    forward_backward(model, batches, run.train.grad_sync, None, autocast_dtype(run), None, tp,
+                     loss=loss)()  # fmt: skip
     global_batches = [
         tuple(t.to(device) for t in global_micro_batch(run, k, reference_bundle.vocab_size))
         for k in range(run.train.accumulation_steps)

@@ -110,13 +110,14 @@ class RunEstimate:
             self.outside_terms_gib,
             known,
             records_streams=self.records_streams,
-            eager_loss_gib=(
-                (self.eager_loss_allocated_gib, self.eager_loss_reserved_gib)
-                if self.eager_loss_allocated_gib is not None
-                and self.eager_loss_reserved_gib is not None
-                else None
-            ),
+            eager_loss_gib=self.eager_loss_gib,
         )
+
+    @property
+    def eager_loss_gib(self) -> tuple[float, float] | None:
+        """(allocated, reserved) with the loss eager, where simulated."""
+        allocated, reserved = self.eager_loss_allocated_gib, self.eager_loss_reserved_gib
+        return None if allocated is None or reserved is None else (allocated, reserved)
 
     def peaks(self, known: Calibration, run: RunConfig, memory: MemoryConfig) -> EstimatedPeaks:
         """What the run's record keeps of its estimate (`prediction.record_peaks`)."""
@@ -135,43 +136,43 @@ def estimate_alike(runs: list[RunConfig], device_type: str = "cpu") -> list[RunE
     simulation's check (`simulate_alike`); one that fails is estimated apart, to say which."""
     import torch
 
-    from fsdp_bench.memory.simulate import simulate_alike  # torch: only where it simulates
+    from fsdp_bench.memory.simulate import (  # torch: only where it simulates
+        SimulatedEstimate,
+        simulate_alike,
+    )
 
     estimates = [_analytic(run, device_type) for run in runs]
+    # A loss compiled on a GPU is simulated with inductor's fusion as measured on CPU, not on
+    # a GPU: the same steps with the loss eager, which it does not exceed, bound it.
+    bound_loss = device_type == "cuda" and runs[0].train.compile_loss  # alike: all or none
     try:
         simulated = simulate_alike(runs, device_type=device_type)
+        eager_loss: list[SimulatedEstimate | None] = [None] * len(runs)
+        if bound_loss:
+            eager_loss = [*simulate_alike([_loss_eager(r) for r in runs], device_type=device_type)]
     except Exception as err:  # an estimate that fails is reported, not fatal
         if len(runs) > 1:
             return [estimate_run(run, device_type) for run in runs]
         estimates[0].error = "".join(traceback.format_exception_only(type(err), err)).strip()
         return estimates
-    for estimate, sim in zip(estimates, simulated, strict=True):
+    for estimate, sim, eager in zip(estimates, simulated, eager_loss, strict=True):
         estimate.estimated_peak_gib = sim.peak_bytes / GIB
         if device_type == "cuda":
             estimate.estimated_allocated_gib = sim.allocated_bytes / GIB
             estimate.estimated_reserved_gib = sim.reserved_bytes / GIB
+        if eager is not None:
+            estimate.eager_loss_allocated_gib = eager.allocated_bytes / GIB
+            estimate.eager_loss_reserved_gib = eager.reserved_bytes / GIB
         estimate.breakdown_gib = {k: v / GIB for k, v in sim.breakdown_bytes.items()}
         estimate.method = sim.method
         estimate.estimated_host_gib = sim.host_bytes / GIB
         estimate.wall_s = sim.wall_s
         estimate.torch_version = torch.__version__
-    if device_type == "cuda" and runs[0].train.compile_loss:  # runs alike: all or none
-        _bound_the_compiled_loss(runs, estimates)
     return estimates
 
 
-def _bound_the_compiled_loss(runs: list[RunConfig], estimates: list[RunEstimate]) -> None:
-    """The same steps with the loss eager: a loss compiled on a GPU is simulated with
-    inductor's fusion as measured on CPU, not on a GPU, and holds no more than eager."""
-    from fsdp_bench.memory.simulate import simulate_alike
-
-    eager = [
-        dataclasses.replace(run, train=dataclasses.replace(run.train, compile_loss=False))
-        for run in runs
-    ]
-    for estimate, sim in zip(estimates, simulate_alike(eager, device_type="cuda"), strict=True):
-        estimate.eager_loss_allocated_gib = sim.allocated_bytes / GIB
-        estimate.eager_loss_reserved_gib = sim.reserved_bytes / GIB
+def _loss_eager(run: RunConfig) -> RunConfig:
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, compile_loss=False))
 
 
 def _analytic(run: RunConfig, device_type: str) -> RunEstimate:

@@ -103,7 +103,9 @@ def predict(
         records_streams=records_streams,
         outside_measured=outside_range,
         scatter=correction.scatter,
-        eager_loss_gib=eager_loss_gib and (eager_loss_gib[0], eager_loss_gib[1] * factor),
+        eager_loss_gib=None
+        if eager_loss_gib is None
+        else (eager_loss_gib[0], eager_loss_gib[1] * factor),
     )
     return Prediction(
         tensors_gib,
