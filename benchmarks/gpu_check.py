@@ -533,10 +533,10 @@ def _phases(record: dict[str, Any]) -> dict[str, float]:
 
 COMPILE_COLUMNS = [
     "run_id", "status", "compile", "compile_loss", "float8", "float8_all_gather", "tokens_per_s",
-    "step_time_s",
-    "step_time_spread_pct", "compile_s", "warmup_s", "peak_memory_gib", "tracked_peak_gib",
-    "estimated_peak_gib", "estimated_allocated_low_gib", "estimated_allocated_high_gib",
-    "parity_ok", "parity_grad_max_abs_diff", "contended", "gpu_other_processes", "reason",
+    "step_time_s", "step_time_spread_pct", "compile_s", "warmup_s", "peak_memory_gib",
+    "tracked_peak_gib", "estimated_peak_gib", "estimated_allocated_low_gib",
+    "estimated_allocated_high_gib", "parity_ok", "parity_grad_max_abs_diff", "contended",
+    "gpu_other_processes", "reason",
 ]  # fmt: skip
 
 
