@@ -6,9 +6,16 @@ weakref finalizer), and resized where FSDP2 resizes them (its unsharded paramete
 it grows before compute and shrinks to nothing after: `UntypedStorage.resize_`, watched while
 recording). The stream is the one current at the allocation: FSDP2 on a CPU mesh uses
 `torch.cpu`'s streams, stand-ins that are still switched as on CUDA, so its all-gather outputs
-show on its copy-in stream and its reduce-scatter outputs on its reduce-scatter stream. DTensor's
-shape propagation (fake tensors of the global shape) is not memory and is left out, as the
-tracker leaves it out.
+show on its copy-in stream and its reduce-scatter outputs on its reduce-scatter stream.
+
+DTensor's operators are seen as the operators on local shards they run: a dispatch mode comes
+before a tensor subclass, and one that calls a DTensor operator itself sees its output but
+none of the temporaries DTensor makes inside (the recorder did, and missed `loss_parallel`'s
+shifted logits, their exponentials and the gradient's: two to three logits-sized tensors, 25%
+of torchtitan's 70B 2-D run). So the recorder lets DTensor go first, as torch's MemTracker
+does. DTensor's shape propagation (fake tensors of the global shape) is not memory and is left
+out, as the tracker leaves it out. A functional collective's wait returns its input, as in
+eager (a fake tensor's wait makes a copy, which no device holds).
 
 Each event also carries a block tag, what `deepen` needs to make a deep model's trace from a
 shallow one's: inside forward and backward, the transformer block running (a block's forward
@@ -220,8 +227,12 @@ class _Recorder(SeesCompiledRegions, TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if DTensor in types:
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
         out = func(*args, **(kwargs or {}))
-        if propagating() and DTensor not in types:
+        if propagating():
             return out
         block = self.context.current if self.context is not None else None
         if isinstance(out, (list, tuple)) and block is None:  # foreach: element by element

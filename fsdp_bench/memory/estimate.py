@@ -27,7 +27,7 @@ from fsdp_bench.memory.pool import in_subprocesses
 from fsdp_bench.memory.prediction import Prediction, predict, record_peaks
 from fsdp_bench.store import GIB, EstimatedPeaks, write_atomic
 
-CACHE_VERSION = f"{__version__}/estimator-17"
+CACHE_VERSION = f"{__version__}/estimator-18"
 """Cached estimates are used only by the version that made them; the suffix counts changes of
 the estimator within a release (2: CPU offload's host share apart; 3: DDP's gradients in its
 buckets; 4: the model built for the run's device; 5: the caching allocator's figures; 6: the
@@ -38,7 +38,8 @@ showed unchanged; 12: RMSNorm as CUDA's fused kernel keeps it, the torch version
 each fake world on a thread of its own, float8 with tensor parallelism; 15: the compiled loss,
 inductor's fusion of it modelled; 16: compiled blocks with tensor parallelism from the
 partition, unless whole blocks are checkpointed; 17: a loss compiled on CUDA also simulated
-eager, its interval's high end)."""
+eager, its interval's high end; 18: the temporaries DTensor makes inside its operators, such
+as loss_parallel's, recorded)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:

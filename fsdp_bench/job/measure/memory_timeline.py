@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_bench.job.measure.tracker import SeesCompiledRegions
+from fsdp_bench.job.measure.tracker import SeesCompiledRegions, propagating
 
 MAX_POINTS = 400
 COLLECTIVE_KINDS = {
@@ -68,7 +69,11 @@ class TimelineSampler(SeesCompiledRegions, TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if DTensor in types:  # sampled at the operators on local shards it runs, as tracked
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if propagating():
+            return out
         if func.namespace == "c10d" and getattr(func, "_opname", None) in COLLECTIVE_KINDS:
             self._collectives.append([len(self._samples), COLLECTIVE_KINDS[func._opname]])
         self._samples.append((self._current_bytes(), self._where()))
