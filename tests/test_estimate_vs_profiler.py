@@ -9,8 +9,10 @@ model was built."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_bench.config.fsdp import FsdpConfig
 from fsdp_bench.config.model import ModelConfig
@@ -28,6 +29,7 @@ from fsdp_bench.job.model.zoo import build_model, initialize
 from fsdp_bench.job.parallel.parallelize import parallelize
 from fsdp_bench.job.training import build_optimizer, make_train_step, rank_batches
 from fsdp_bench.memory.estimate import estimate_run
+from fsdp_bench.memory.fake import fake_world
 from fsdp_bench.store import GIB
 
 CASES = {
@@ -44,17 +46,23 @@ CASES = {
 }
 
 
+@contextlib.contextmanager
+def one_rank_gloo(trace_file: Path) -> Iterator[None]:
+    store = dist.FileStore(str(trace_file.with_suffix(".store")), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def allocator_peak_bytes(run: RunConfig, trace_file: Path) -> int:
     """The CPU allocator's peak during the run's second step, less what was alive before it
     built the model. Rank 0 in this process: of a one-rank gloo group, or of a fake group of
     the run's world size (real tensors, collectives that move nothing: the memory is real)."""
     cpu = torch.device("cpu")
-    if run.world_size == 1:
-        store: dist.Store = dist.FileStore(str(trace_file.with_suffix(".store")), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=run.world_size)
-    try:
+    world = one_rank_gloo(trace_file) if run.world_size == 1 else fake_world(run.world_size)
+    with world:
         mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=run.mesh_dim_names)
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -67,8 +75,6 @@ def allocator_peak_bytes(run: RunConfig, trace_file: Path) -> int:
             step()
             with record_function("measured step"):
                 step()
-    finally:
-        dist.destroy_process_group()
     prof.export_chrome_trace(str(trace_file))
     events: list[dict[str, Any]] = json.loads(trace_file.read_text())["traceEvents"]
     memory = [e for e in events if e.get("name") == "[memory]"]

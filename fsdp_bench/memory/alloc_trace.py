@@ -230,7 +230,7 @@ class _Recorder(SeesCompiledRegions, TorchDispatchMode):
         if DTensor in types:
             return NotImplemented
         if func is torch.ops._c10d_functional.wait_tensor.default:
-            return args[0]
+            return args[0]  # as in eager, not a fake copy
         out = func(*args, **(kwargs or {}))
         if propagating():
             return out
