@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from fsdp_bench.job.measure.intervals import length, uncovered, union
-from fsdp_bench.job.measure.memory_timeline import MAX_POINTS
+from fsdp_bench.job.measure.memory_timeline import MAX_POINTS, TimelineSampler
 from fsdp_bench.job.measure.step_trace import (
     MARK_PREFIX,
     PhaseClock,
@@ -19,6 +24,8 @@ from fsdp_bench.job.measure.step_trace import (
     breakdown,
     timeline_from_trace,
 )
+from fsdp_bench.job.measure.tracker import TensorMemoryTracker
+from fsdp_bench.memory.fake import fake_world
 from fsdp_bench.report import figure_data, tables
 from tests.conftest import REPO, sweep, tiny_grid
 
@@ -157,3 +164,20 @@ def check_timeline(run: pd.Series) -> None:
     assert kinds.count("reduce_scatter") == run["reduce_scatters_per_step"]
     assert run["memory_peak_at"] == timeline["peak_at"]
     assert timeline["peak_at"].endswith((" forward", " backward", "loss", "optimizer"))
+
+
+def test_the_memory_timeline_reaches_a_peak_inside_dtensors_operators() -> None:
+    """The loss on logits split by vocabulary (`loss_parallel`) peaks inside DTensor's own
+    operators (the shifted logits beside their exponentials): sampled only after each DTensor
+    operator, the timeline's peak fell two logits-sized tensors short (12 of 20 MiB)."""
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.randn(256, 4096, requires_grad=True)  # 4 MiB of this rank's vocabulary
+        logits = DTensor.from_local(local, mesh, [Shard(1)])
+        targets = torch.randint(0, 8192, (256,))
+        tracker = TensorMemoryTracker()
+        sampler = TimelineSampler(tracker, "cpu")
+        with tracker, sampler, loss_parallel():
+            F.cross_entropy(logits, targets).backward()
+    tracked_bytes = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert sampler.timeline().peak_bytes == tracked_bytes
