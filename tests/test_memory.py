@@ -126,7 +126,10 @@ ANALYTIC_CASES = [
     {"train": TrainConfig(optimizer_impl=impl, accumulation_steps=2, grad_sync=sync)}
     for impl in ("foreach", "fused", "for_loop")
     for sync in ("every", "last")
-] + [{"strategy": "ddp"}]  # fmt: skip
+] + [{"strategy": "ddp"}] + [
+    {"tp_size": 2, "fsdp": FsdpConfig(activation_checkpointing=ac, mixed_precision="bf16")}
+    for ac in ("none", "block", "selective_op")
+]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -135,7 +138,9 @@ def test_the_analytic_figure_is_never_below_the_simulated_one() -> None:
     must not promise a fit the simulation denies. Before, reshard_after_forward true counted
     every parameter kept unsharded (True == 1) and the default kept none (FSDP2 keeps the
     root), and the optimizer step's temporaries were missing: for Llama-3-1B with activation
-    checkpointing it read 22.28 GiB against 23.02 simulated (and measured on an H200)."""
+    checkpointing it read 22.28 GiB against 23.02 simulated (and measured on an H200). With
+    tensor parallelism it left out the norms' outputs gathered whole and loss_parallel's fp32
+    temporaries: torchtitan's 70B 2-D shape read 52.25 GiB against 58.04."""
     from fsdp_bench.memory.estimate import estimate_runs
 
     runs = [
@@ -145,7 +150,11 @@ def test_the_analytic_figure_is_never_below_the_simulated_one() -> None:
     ] + [
         RunConfig(model=ModelConfig(name="llama3-1b"), data=DataConfig(seq_len=2048),
                   fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing="block",
-                                  reshard_after_forward=True))
+                                  reshard_after_forward=True)),
+        RunConfig(world_size=256, processes_per_node=8, tp_size=8,  # torchtitan's 70B 2-D
+                  model=ModelConfig(name="llama3-70b"),
+                  data=DataConfig(seq_len=8192, micro_batch_size=16),
+                  fsdp=FsdpConfig(mixed_precision="bf16", activation_checkpointing="block")),
     ]  # fmt: skip
     low = []
     estimates = estimate_runs(runs, None)  # in the pool, as `fsdp-bench estimate` makes them

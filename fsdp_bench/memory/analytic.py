@@ -75,13 +75,19 @@ def analytic_estimate(run: RunConfig) -> AnalyticEstimate:
     else:
         terms.update(_unsharded_terms(run, shape, compute_bytes))
     terms["activations"] = _activation_bytes(run, shape, compute_bytes)
-    if run.tp_sequence_parallel:  # every activation is split: sequence, heads or MLP width
-        terms["activations"] /= run.tp_size
     tokens = run.data.micro_batch_size * run.data.seq_len
-    # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient
-    # (under tensor parallelism a rank's share of the vocabulary: the loss runs on them split)
+    if run.tp_sequence_parallel:  # every activation is split: sequence, heads or MLP width,
+        # but the norms' outputs, gathered whole for the column-wise matmuls that save them
+        # (two a block, one before the output projection)
+        gathered = tokens * shape.dim * compute_bytes * (1 - 1 / run.tp_size)
+        kept = 2 * _blocks_holding_activations(run, shape) + 1
+        terms["activations"] = terms["activations"] / run.tp_size + gathered * kept
+    # logits in the compute dtype, their fp32 copy for the loss, and the logits' gradient;
+    # under tensor parallelism a rank's share of the vocabulary, on which loss_parallel keeps
+    # its fp32 log-softmax and makes three more fp32 tensors of that size at once in backward
+    # (torchtitan's 70B 2-D shape, simulated)
     logits = tokens * shape.vocab_size / run.tp_size
-    terms["temporaries"] = logits * (compute_bytes + 4 + 4)
+    terms["temporaries"] = logits * (compute_bytes + (16 if run.tp_size > 1 else 8))
     largest, prefetch = terms.get("largest_unsharded_group", 0), terms.get("prefetch_buffer", 0)
     host = 0.0
     if run.fsdp.cpu_offload and run.strategy != "ddp":  # the sharded state lives on the host
@@ -186,6 +192,15 @@ def _activation_bytes(run: RunConfig, shape: ModelShape, compute_bytes: int) -> 
     checkpointed = -(-shape.n_layers // every)
     full = shape.n_layers - checkpointed
     return embedding + block_input * checkpointed + block * full + block
+
+
+def _blocks_holding_activations(run: RunConfig, shape: ModelShape) -> int:
+    """Blocks whose activations are held at once at most: all without checkpointing (and,
+    leaning high, with selective_op), else those not checkpointed and the one recomputed."""
+    every = checkpointed_every(run.fsdp.activation_checkpointing)
+    if every is None:
+        return shape.n_layers
+    return shape.n_layers - -(-shape.n_layers // every) + 1
 
 
 def _parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:

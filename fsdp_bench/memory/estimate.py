@@ -39,7 +39,7 @@ each fake world on a thread of its own, float8 with tensor parallelism; 15: the 
 inductor's fusion of it modelled; 16: compiled blocks with tensor parallelism from the
 partition, unless whole blocks are checkpointed; 17: a loss compiled on CUDA also simulated
 eager, its interval's high end; 18: the temporaries DTensor makes inside its operators, such
-as loss_parallel's, recorded)."""
+as loss_parallel's, recorded, and the analytic figure's tensor-parallel terms to match)."""
 
 
 def target_device(launcher: LauncherConfig) -> str:
