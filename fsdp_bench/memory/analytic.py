@@ -186,21 +186,24 @@ def _activation_bytes(run: RunConfig, shape: ModelShape, compute_bytes: int) -> 
         matmuls = (2 * shape.dim + 2 * kv + 3 * shape.ffn_dim) * compute_bytes / 2
         kept = tokens * (matmuls + 2 * shape.dim * compute_bytes) + block_input
         return embedding + kept * shape.n_layers + block
-    every = checkpointed_every(mode)
-    if every is None:
+    checkpointed = _checkpointed_blocks(run, shape)
+    if checkpointed == 0:
         return embedding + block * shape.n_layers
-    checkpointed = -(-shape.n_layers // every)
     full = shape.n_layers - checkpointed
     return embedding + block_input * checkpointed + block * full + block
+
+
+def _checkpointed_blocks(run: RunConfig, shape: ModelShape) -> int:
+    """Blocks checkpointed whole (block, every_N); 0 for none and selective_op."""
+    every = checkpointed_every(run.fsdp.activation_checkpointing)
+    return 0 if every is None else -(-shape.n_layers // every)
 
 
 def _blocks_holding_activations(run: RunConfig, shape: ModelShape) -> int:
     """Blocks whose activations are held at once at most: all without checkpointing (and,
     leaning high, with selective_op), else those not checkpointed and the one recomputed."""
-    every = checkpointed_every(run.fsdp.activation_checkpointing)
-    if every is None:
-        return shape.n_layers
-    return shape.n_layers - -(-shape.n_layers // every) + 1
+    checkpointed = _checkpointed_blocks(run, shape)
+    return shape.n_layers if checkpointed == 0 else shape.n_layers - checkpointed + 1
 
 
 def _parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:
