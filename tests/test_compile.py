@@ -39,9 +39,12 @@ def test_compiled_runs_match_eager_and_are_measured_and_estimated(tmp_path: Path
     is_compiled = (df.compile != "none") | df.compile_loss
     eager, compiled = df[~is_compiled], df[is_compiled]
     assert eager.compile_s.isna().all()
-    # Every compiled run paid its own compilation (dynamo's caches cleared between runs of
-    # the job): far more than a step of the tiny model.
-    assert (compiled.compile_s > compiled.step_time_s).all(), compiled[["compile", "compile_s"]]
+    # Every compiled run records its compilation. A compiled block or model (dynamo's caches
+    # cleared between runs of the job) pays far more than a step of the tiny model; the loss
+    # alone is one small graph that inductor's disk cache may already hold, so only recorded.
+    assert compiled.compile_s.notna().all(), compiled[["compile", "compile_s"]]
+    graphs = compiled[compiled.compile != "none"]
+    assert (graphs.compile_s > graphs.step_time_s).all(), graphs[["compile", "compile_s"]]
     # FSDP2's hooks run eagerly between the compiled graphs: the collectives stay eager's.
     fsdp = df[(df.strategy == "fsdp") & (df.activation_checkpointing == "none")]
     for column in ("all_gathers_per_step", "reduce_scatters_per_step"):
